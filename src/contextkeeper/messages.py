@@ -1,0 +1,851 @@
+"""Validated OpenAI-format chat messages.
+
+Every input shape we accept round-trips unchanged: ``Message.from_dict(d).to_dict() == d``. Fields the caller
+did not give are never added, explicit ``None`` values are kept, and unknown keys survive (``extra="allow"``).
+Key order follows the model's field order, then unknown keys in input order.
+
+Tool calls come in two shapes:
+
+* OpenAI: ``{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON string>"}}``;
+* Hugging Face: ``{"type": "function", "function": {"name": ..., "arguments": {...}}}`` or the flat
+  ``{"name": ..., "arguments": {...}}``, often without ids.
+
+``arguments`` given as a string is not required to be valid JSON: servers accept such requests, so rejecting
+them here would make us stricter than the thing we model. :meth:`ToolCall.arguments_as_object` returns such a
+string unchanged; :func:`server_view` turns it into ``{}`` as vLLM does.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeAlias, overload
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    SerializeAsAny,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from contextkeeper._exceptions import InvalidMessage, MessageError, MissingToolResult, OrphanToolResult
+
+__all__ = [
+    "VALID_ROLES",
+    "ContentFormat",
+    "ContentPart",
+    "Conversation",
+    "FilePart",
+    "FileRef",
+    "FunctionCall",
+    "ImageURL",
+    "ImageURLPart",
+    "InputAudio",
+    "InputAudioPart",
+    "MediaPart",
+    "Message",
+    "MessageLike",
+    "Role",
+    "TextPart",
+    "ToolCall",
+    "Unit",
+    "UnitKind",
+    "raw_view",
+    "server_view",
+]
+
+Role: TypeAlias = Literal["system", "developer", "user", "assistant", "tool"]
+UnitKind: TypeAlias = Literal["system", "user", "assistant"]
+ContentFormat: TypeAlias = Literal["string", "openai"]
+
+VALID_ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
+
+# Part types whose payload is text, and the field that holds it. vLLM renders all of these as text.
+_TEXT_FIELDS: dict[str, str] = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+
+_ERROR_TYPE = "contextkeeper"
+_MAX_REPORTED_ERRORS = 3
+
+
+def _fail(message: str, fix: str = "", where: str | None = None) -> PydanticCustomError:
+    """A pydantic error that carries our wording; ``_describe`` unpacks it again."""
+    ctx: dict[str, Any] = {"message": message, "fix": fix}
+    if where is not None:
+        ctx["where"] = where
+    return PydanticCustomError(_ERROR_TYPE, "{message}", ctx)
+
+
+class _Model(BaseModel):
+    # strict: no silent coercion (bytes -> str, tuple -> list), so what we return is what we were given.
+    model_config = ConfigDict(frozen=True, extra="allow", strict=True)
+
+
+# --------------------------------------------------------------------------------------------- content parts
+
+
+class ImageURL(_Model):
+    """``image_url`` of an ``image_url`` part: a URL or a ``data:`` URL, and the optional ``detail``."""
+
+    url: str
+    detail: str | None = None
+
+
+class InputAudio(_Model):
+    """``input_audio`` of an ``input_audio`` part: base64 ``data`` and its ``format`` (``wav``, ``mp3``)."""
+
+    data: str
+    format: str
+
+
+class FileRef(_Model):
+    """``file`` of a ``file`` part: an uploaded ``file_id`` or inline ``file_data`` with its ``filename``."""
+
+    file_id: str | None = None
+    file_data: str | None = None
+    filename: str | None = None
+
+
+class ContentPart(_Model):
+    """One element of a content list. ``type`` picks the shape; parts of unknown types keep all their keys."""
+
+    type: str
+
+    @property
+    def is_text(self) -> bool:
+        """Whether a server renders this part as text (``text``, ``input_text``, ``refusal``, ...)."""
+        return self.type in _TEXT_FIELDS
+
+    def as_text(self) -> str | None:
+        """The text of a text-like part, or None for media and other parts."""
+        field = _TEXT_FIELDS.get(self.type)
+        if field is None:
+            return None
+        value = getattr(self, field, None)
+        return value if isinstance(value, str) else None
+
+
+class TextPart(ContentPart):
+    """``{"type": "text", "text": ...}``."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(ContentPart):
+    """OpenAI image: ``{"type": "image_url", "image_url": {"url": ..., "detail"?: ...}}``."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudioPart(ContentPart):
+    """OpenAI audio: ``{"type": "input_audio", "input_audio": {"data": ..., "format": ...}}``."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class FilePart(ContentPart):
+    """OpenAI file: ``{"type": "file", "file": {"file_id" | "file_data", "filename"?}}``."""
+
+    type: Literal["file"]
+    file: FileRef
+
+
+class MediaPart(ContentPart):
+    """Hugging Face media: ``{"type": "image" | "audio" | "video", ...}``; the payload keys are free-form."""
+
+    type: Literal["image", "audio", "video"]
+
+
+_PART_CLASSES: dict[str, type[ContentPart]] = {
+    "text": TextPart,
+    "image_url": ImageURLPart,
+    "input_audio": InputAudioPart,
+    "file": FilePart,
+    "image": MediaPart,
+    "audio": MediaPart,
+    "video": MediaPart,
+}
+
+_PART_FIX = (
+    'give each part a "type", e.g. {"type": "text", "text": "..."} or '
+    '{"type": "image_url", "image_url": {"url": "..."}}'
+)
+
+
+def _validate_part(part: Any, position: int) -> ContentPart:
+    where = f"content[{position}]"
+    if isinstance(part, ContentPart):
+        return part
+    if not isinstance(part, dict):
+        raise _fail(f"a content part must be an object, got {type(part).__name__}", _PART_FIX, where)
+    part_type = part.get("type")
+    if part_type is None:
+        raise _fail("content part has no 'type'", _PART_FIX, where)
+    if not isinstance(part_type, str):
+        raise _fail(f"content part 'type' must be a string, got {type(part_type).__name__}", _PART_FIX, where)
+    cls = _PART_CLASSES.get(part_type, ContentPart)
+    try:
+        return cls.model_validate(part)
+    except ValidationError as exc:
+        text, fix = _describe(exc, prefix=where)
+        # The location is already part of ``text``.
+        raise _fail(f"{text} (in a {part_type!r} part)", fix or "", where="") from None
+
+
+# ---------------------------------------------------------------------------------------------- tool calls
+
+
+class FunctionCall(_Model):
+    """The called function: ``name`` and ``arguments`` (a JSON string, OpenAI; or an object, Hugging Face).
+
+    A string that is not valid JSON is accepted: servers take it too.
+    """
+
+    name: str
+    arguments: str | dict[str, Any]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_shape(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "name" not in data or data["name"] is None:
+            raise _fail(
+                "tool call has no function name (function.name missing)",
+                "set function.name to the name of the called tool",
+            )
+        if "arguments" not in data:
+            raise _fail(
+                "tool call has no arguments",
+                'add "arguments": a JSON string such as "{}" (OpenAI) or an object (Hugging Face)',
+            )
+        arguments = data["arguments"]
+        if not isinstance(arguments, (str, dict)):
+            raise _fail(
+                f"tool call arguments must be a JSON string or an object, got {type(arguments).__name__}",
+                "pass arguments as json.dumps(...) or as a dict",
+            )
+        return data
+
+
+class ToolCall(_Model):
+    """One tool call of an assistant message.
+
+    The flat Hugging Face shape ``{"name": ..., "arguments": ...}`` is read into ``function`` and written back
+    flat by :meth:`Message.to_dict`.
+    """
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+    # True when the input had no "function" wrapper: dumping restores that shape.
+    _flat: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _accept_shapes(cls, data: Any, handler: ModelWrapValidatorHandler[ToolCall]) -> ToolCall:
+        flat = False
+        if isinstance(data, dict) and "function" not in data:
+            if "name" not in data and "arguments" not in data:
+                raise _fail(
+                    "tool call has neither a 'function' object nor 'name'/'arguments' keys",
+                    'use {"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}',
+                )
+            flat = True
+            function = {key: data[key] for key in ("name", "arguments") if key in data}
+            data = {key: value for key, value in data.items() if key not in function}
+            data["function"] = function
+        call = handler(data)
+        if flat:
+            call._flat = True
+        if isinstance(call.function.arguments, str) and call.id is None:
+            raise _fail(
+                "tool call with JSON-string arguments (OpenAI format) is missing id",
+                'give the call an "id" (e.g. "call_1") and answer it with a tool message carrying that '
+                "tool_call_id, or pass arguments as a dict for id-less Hugging Face calls",
+            )
+        return call
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> Any:
+        out = handler(self)
+        if not self._flat or not isinstance(out, dict) or not isinstance(out.get("function"), dict):
+            return out
+        flat: dict[str, Any] = {}
+        for key, value in out.items():
+            if key == "function":
+                flat.update(value)
+            else:
+                flat[key] = value
+        return flat
+
+    @property
+    def name(self) -> str:
+        """The called function's name."""
+        return self.function.name
+
+    def arguments_as_object(self) -> Any:
+        """The arguments as a JSON value: a JSON string is parsed (and returned unchanged if it is not JSON).
+
+        Object arguments come back as a copy, so changing the result never changes this frozen call.
+        """
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                return json.loads(arguments)
+            except json.JSONDecodeError:
+                return arguments
+        return copy.deepcopy(arguments)
+
+
+# ------------------------------------------------------------------------------------------------ messages
+
+_CONTENT_FIX = 'pass text as a string, or a list of parts such as [{"type": "text", "text": "..."}]'
+
+
+class Message(_Model):
+    """One chat message in OpenAI format (with the Hugging Face variants). Unknown keys are kept."""
+
+    role: Role
+    content: str | list[SerializeAsAny[ContentPart]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    thinking: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_role(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        roles = ", ".join(VALID_ROLES)
+        if "role" not in data:
+            raise _fail("message has no role", f"add a 'role': one of {roles}")
+        role = data["role"]
+        if not isinstance(role, str) or role not in VALID_ROLES:
+            raise _fail(f"unknown role {role!r}; valid roles are {roles}", f"set 'role' to one of {roles}")
+        return data
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            return [_validate_part(part, position) for position, part in enumerate(value)]
+        fix = "wrap the part in a list: [part]" if isinstance(value, dict) else _CONTENT_FIX
+        raise _fail(f"must be a string, a list of content parts, or None; got {type(value).__name__}", fix)
+
+    @model_validator(mode="after")
+    def _check_calls(self) -> Message:
+        if not self.tool_calls:
+            return self
+        if self.role != "assistant":
+            raise _fail(
+                f"a {self.role} message carries tool_calls; only assistant messages make tool calls",
+                "move the tool calls to an assistant message",
+            )
+        first_seen: dict[str, int] = {}
+        for position, call in enumerate(self.tool_calls):
+            if call.id is None:
+                continue
+            if call.id in first_seen:
+                raise _fail(
+                    f"duplicate tool call id {call.id!r} in tool_calls[{first_seen[call.id]}] and "
+                    f"tool_calls[{position}]",
+                    "give every tool call of a message its own id",
+                    where="tool_calls",
+                )
+            first_seen[call.id] = position
+        return self
+
+    @classmethod
+    def from_dict(cls, data: MessageLike) -> Message:
+        """Validate one message: a dict, a :class:`Message`, or an object with ``model_dump()`` (openai SDK).
+
+        The input is deep-copied first, so the frozen message never shares mutable state with the caller.
+        Raises :class:`InvalidMessage` (``index`` None).
+        """
+        return _parse_message(data, None)[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message as a plain dict, exactly as it was given (unset fields omitted, explicit None kept)."""
+        return self.model_dump(exclude_unset=True)
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """Whether this is an assistant message with at least one tool call."""
+        return bool(self.tool_calls)
+
+    def text_parts(self) -> list[str]:
+        """The text of the message: the string content, or the text of each text-like part, in order."""
+        if self.content is None:
+            return []
+        if isinstance(self.content, str):
+            return [self.content]
+        return [text for part in self.content if (text := part.as_text()) is not None]
+
+    def media_parts(self) -> list[ContentPart]:
+        """The parts that are not text (images, audio, video, files, unknown types), in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part for part in self.content if not part.is_text]
+
+
+# A dict (any Mapping), a Message, an object with a pydantic-style model_dump() (openai SDK messages) or a
+# dataclass. Any rather than a union: type checkers infer literal message lists as list[object].
+MessageLike: TypeAlias = Any
+_InputFormat: TypeAlias = Literal["dict", "message", "object"]
+
+
+def _parse_message(item: object, index: int | None) -> tuple[Message, _InputFormat]:
+    if isinstance(item, Message):
+        return item, "message"
+    fmt: _InputFormat
+    if isinstance(item, Mapping):
+        data: Any = copy.deepcopy(dict(item))
+        fmt = "dict"
+    elif callable(getattr(item, "model_dump", None)):
+        # Plain model_dump(), as transformers does; the copy guards against objects that hand out their state.
+        data = copy.deepcopy(item.model_dump())  # type: ignore[attr-defined]
+        fmt = "object"
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+        data = dataclasses.asdict(item)
+        fmt = "object"
+    else:
+        raise InvalidMessage(
+            f"a message must be a dict or a Message, got {type(item).__name__}",
+            index=index,
+            fix='pass messages as dicts such as {"role": "user", "content": "..."}',
+        )
+    if not isinstance(data, dict):
+        raise InvalidMessage(
+            f"model_dump() of {type(item).__name__} returned {type(data).__name__}, not a dict",
+            index=index,
+            fix="pass the message as a dict",
+        )
+    try:
+        return Message.model_validate(data), fmt
+    except ValidationError as exc:
+        text, fix = _describe(exc)
+        raise InvalidMessage(text, index=index, fix=fix) from None
+
+
+# ------------------------------------------------------------------------------------------ error wording
+
+
+def _render_loc(loc: tuple[int | str, ...], prefix: str = "") -> str:
+    out = prefix
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        else:
+            out += f".{item}" if out else item
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _describe(exc: ValidationError, prefix: str = "") -> tuple[str, str | None]:
+    """Turn a pydantic error into one readable sentence and a fix."""
+    texts: list[str] = []
+    fixes: list[str] = []
+    errors = exc.errors(include_url=False)
+    for error in errors[:_MAX_REPORTED_ERRORS]:
+        ctx = error.get("ctx") or {}
+        if error["type"] == _ERROR_TYPE:
+            where = ctx.get("where")
+            where = _render_loc(error["loc"], prefix) if where is None else str(where)
+            message = str(ctx.get("message", error["msg"]))
+            fix = str(ctx.get("fix") or "")
+        else:
+            where = _render_loc(error["loc"], prefix)
+            if error["type"] == "missing":
+                message, fix = "required field is missing", f"add {where}"
+            else:
+                message = f"{error['msg']}, got {_short(error['input'])}"
+                rest = error["msg"].removeprefix("Input should be ")
+                fix = f"make {where} {rest}" if rest != error["msg"] else ""
+        texts.append(f"{where}: {message}" if where else message)
+        if fix and fix not in fixes:
+            fixes.append(fix)
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        texts.append(f"and {len(errors) - _MAX_REPORTED_ERRORS} more problem(s)")
+    return "; ".join(texts), ("; ".join(fixes) or None)
+
+
+# ------------------------------------------------------------------------------------------- conversation
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Messages that must be kept or dropped together.
+
+    A system/developer message, a user message, or an assistant message with all of its tool results.
+    ``start``/``stop`` are the message index range in the conversation.
+    """
+
+    kind: UnitKind
+    start: int
+    stop: int
+    messages: tuple[Message, ...]
+
+    @property
+    def indices(self) -> range:
+        """The message indices of this unit."""
+        return range(self.start, self.stop)
+
+
+def _describe_call(call: ToolCall, position: int) -> str:
+    ident = f" id {call.id!r}" if call.id is not None else ""
+    return f"tool_calls[{position}] ({call.function.name!r}{ident})"
+
+
+def _group_units(messages: Sequence[Message]) -> tuple[Unit, ...]:
+    """Check the tool call / tool result structure and group the messages into units."""
+    units: list[Unit] = []
+    count = len(messages)
+    i = 0
+    while i < count:
+        message = messages[i]
+        if message.role == "tool":
+            raise OrphanToolResult(
+                f"tool result (tool_call_id={message.tool_call_id!r}) does not follow an assistant message "
+                "with tool_calls",
+                index=i,
+                fix="put it right after the assistant message that made the call (and that call's other "
+                "results), or drop it",
+            )
+        if message.role != "assistant":
+            kind: UnitKind = "user" if message.role == "user" else "system"
+            units.append(Unit(kind, i, i + 1, (message,)))
+            i += 1
+            continue
+        calls = message.tool_calls or []
+        by_id = {call.id: position for position, call in enumerate(calls) if call.id is not None}
+        answered = [False] * len(calls)
+        j = i + 1
+        while j < count and messages[j].role == "tool":
+            result_id = messages[j].tool_call_id
+            position = j - i - 1  # the n-th result answers the n-th call when calls have no ids
+            if not calls:
+                raise OrphanToolResult(
+                    f"tool result (tool_call_id={result_id!r}) follows assistant message {i}, which made no tool calls",
+                    index=j,
+                    fix="add the matching call to that assistant message's tool_calls, or drop this result",
+                )
+            if result_id is not None and result_id in by_id:
+                target = by_id[result_id]
+            elif position < len(calls) and calls[position].id is None:
+                target = position
+            elif result_id is not None and by_id:
+                known = ", ".join(repr(call_id) for call_id in by_id)
+                raise OrphanToolResult(
+                    f"tool result's tool_call_id {result_id!r} matches no call of assistant message {i} "
+                    f"(its call ids: {known})",
+                    index=j,
+                    fix="use the id of the call this result answers, or drop the result",
+                )
+            elif position >= len(calls):
+                raise OrphanToolResult(
+                    f"tool result (tool_call_id={result_id!r}) has no call to answer: assistant message {i} "
+                    f"made {len(calls)} call(s) and this is result {position + 1}",
+                    index=j,
+                    fix="drop the extra tool result, or add its call to the assistant message",
+                )
+            else:
+                expected = calls[position].id
+                raise InvalidMessage(
+                    "tool result has no tool_call_id (missing id), but the call it answers, "
+                    f"{_describe_call(calls[position], position)} of assistant message {i}, has one",
+                    index=j,
+                    fix=f"set tool_call_id to {expected!r}",
+                )
+            if answered[target]:
+                raise InvalidMessage(
+                    f"second tool result for {_describe_call(calls[target], target)} of assistant message {i}",
+                    index=j,
+                    fix="keep one result per tool call",
+                )
+            answered[target] = True
+            j += 1
+        if j < count and not all(answered):
+            missing = ", ".join(
+                _describe_call(call, position)
+                for position, (call, done) in enumerate(zip(calls, answered, strict=True))
+                if not done
+            )
+            raise MissingToolResult(
+                f"assistant message's tool calls {missing} have no result before message {j} ({messages[j].role})",
+                index=i,
+                fix="add a role='tool' message answering each call right after the assistant message "
+                "(its other results), or remove the unanswered calls",
+            )
+        units.append(Unit("assistant", i, j, tuple(messages[i:j])))
+        i = j
+    return tuple(units)
+
+
+class Conversation(Sequence[Message]):
+    """An immutable, validated list of messages that remembers each message's input format.
+
+    Build it with :meth:`from_messages`. Validation covers each message and the tool call structure: every
+    tool result answers a call of the assistant message before it, and every call is answered before the
+    conversation moves on (pending calls are allowed only in the final unit).
+    """
+
+    __slots__ = ("_formats", "_messages", "_sources", "_units")
+
+    _messages: tuple[Message, ...]
+    _formats: tuple[_InputFormat, ...]
+    _sources: tuple[object, ...]
+    _units: tuple[Unit, ...]
+
+    def __init__(self, messages: Sequence[MessageLike] | Conversation = ()) -> None:
+        """Same as :meth:`from_messages`."""
+        if isinstance(messages, Conversation):
+            self._set(messages._messages, messages._formats, messages._sources, messages._units)
+            return
+        if not isinstance(messages, (list, tuple)):
+            raise MessageError(
+                f"expected a list of messages, got {type(messages).__name__}",
+                index=None,
+                fix="pass a list such as [{'role': 'user', 'content': '...'}] (a single message in a list)",
+            )
+        parsed: list[Message] = []
+        formats: list[_InputFormat] = []
+        for index, item in enumerate(messages):
+            message, fmt = _parse_message(item, index)
+            parsed.append(message)
+            formats.append(fmt)
+        built = tuple(parsed)
+        self._set(built, tuple(formats), tuple(messages), _group_units(built))
+
+    def _set(
+        self,
+        messages: tuple[Message, ...],
+        formats: tuple[_InputFormat, ...],
+        sources: tuple[object, ...],
+        units: tuple[Unit, ...],
+    ) -> None:
+        object.__setattr__(self, "_messages", messages)
+        object.__setattr__(self, "_formats", formats)
+        # Kept only to hand foreign objects (e.g. openai SDK messages) back as themselves.
+        kept = tuple(src if fmt == "object" else None for src, fmt in zip(sources, formats, strict=True))
+        object.__setattr__(self, "_sources", kept)
+        object.__setattr__(self, "_units", units)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Conversation is immutable")
+
+    def __copy__(self) -> Conversation:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Conversation:
+        return self  # immutable, and the messages are deep copies of the caller's already
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore_conversation, (self._messages, self._formats, self._sources, self._units))
+
+    @classmethod
+    def from_messages(cls, messages: Sequence[MessageLike] | Conversation) -> Conversation:
+        """Validate a list of messages (dicts, :class:`Message` objects, objects with ``model_dump()``).
+
+        The caller's list and dicts are never changed. Raises :class:`MessageError` (``index`` None) for a
+        non-list, and :class:`InvalidMessage`, :class:`OrphanToolResult` or :class:`MissingToolResult` with
+        the offending message's ``index``.
+        """
+        if isinstance(messages, Conversation):
+            return messages
+        return cls(messages)
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Message, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Message | tuple[Message, ...]:
+        # A slice may cut a unit in half, so it is a plain tuple; select() gives a validated sub-conversation.
+        return self._messages[index]
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self._messages)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Conversation):
+            return NotImplemented
+        return self._messages == other._messages
+
+    def __repr__(self) -> str:
+        return f"Conversation({len(self._messages)} messages, {len(self._units)} units)"
+
+    @property
+    def messages(self) -> tuple[Message, ...]:
+        """The validated messages."""
+        return self._messages
+
+    def units(self) -> tuple[Unit, ...]:
+        """The atomic units, in order; together they cover every message exactly once."""
+        return self._units
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """Every message as a new plain dict, equal to what was given."""
+        return [message.to_dict() for message in self._messages]
+
+    def to_caller_format(self) -> list[Any]:
+        """The messages in the format each came in: dicts as new dicts, Messages and other objects as is."""
+        out: list[Any] = []
+        for message, fmt, source in zip(self._messages, self._formats, self._sources, strict=True):
+            if fmt == "dict":
+                out.append(message.to_dict())
+            elif fmt == "object":
+                out.append(source)
+            else:
+                out.append(message)
+        return out
+
+    def select(self, indices: Iterable[int]) -> Conversation:
+        """A new conversation of the messages at ``indices`` (in the given order), re-validated.
+
+        Each message keeps its input format. Raises the usual errors if the selection breaks tool call pairs.
+        """
+        chosen = list(indices)
+        for index in chosen:
+            if not -len(self._messages) <= index < len(self._messages):
+                raise IndexError(f"message index {index} out of range for {len(self._messages)} messages")
+        messages = tuple(self._messages[index] for index in chosen)
+        return _restore_conversation(
+            messages,
+            tuple(self._formats[index] for index in chosen),
+            tuple(self._sources[index] for index in chosen),
+            _group_units(messages),
+        )
+
+
+def _restore_conversation(
+    messages: tuple[Message, ...],
+    formats: tuple[_InputFormat, ...],
+    sources: tuple[object, ...],
+    units: tuple[Unit, ...],
+) -> Conversation:
+    conversation = Conversation.__new__(Conversation)
+    conversation._set(messages, formats, sources, units)
+    return conversation
+
+
+# ----------------------------------------------------------------------------------------------- views
+
+
+def _as_conversation(conversation: Conversation | Sequence[MessageLike]) -> Conversation:
+    return Conversation.from_messages(conversation)
+
+
+def _without_none(data: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in data.items() if value is not None}
+
+
+def raw_view(conversation: Conversation | Sequence[MessageLike]) -> list[dict[str, Any]]:
+    """New plain dicts with top-level None values dropped and nothing else changed.
+
+    This is what transformers' ``apply_chat_template`` hands to the template.
+    """
+    return [_without_none(message.to_dict()) for message in _as_conversation(conversation)]
+
+
+def _parse_arguments(arguments: Any) -> Any:
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        # vLLM renders arguments that are not valid JSON (and "") as an empty object.
+        return {}
+
+
+# Keys an OpenAI-compatible server passes to the template besides role and content. Reasoning is kept under
+# every name clients use for it (vLLM reads ``reasoning``; DeepSeek-style clients send ``reasoning_content``).
+_SERVER_KEYS = frozenset({"name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content", "thinking"})
+
+
+def server_view(
+    conversation: Conversation | Sequence[MessageLike], *, content_format: ContentFormat = "string"
+) -> tuple[list[dict[str, Any]], list[tuple[int, ContentPart]]]:
+    """The messages as an OpenAI-compatible server (vLLM) hands them to the chat template.
+
+    Returns new plain dicts and, for each non-text part taken out of them, ``(message index, part)``; the
+    caller counts those separately. Following vLLM's ``parse_chat_messages``:
+
+    * tool-call ``arguments`` JSON strings become objects (``{}`` when the string is not valid JSON);
+    * an empty ``tool_calls`` list is dropped, as are top-level keys whose value is None and keys the server
+      does not read (anything but name, tool_calls, tool_call_id and the reasoning fields);
+    * ``"string"``: the text of the content (text-like parts joined with ``"\\n"``) as one string;
+      missing or None content becomes ``""``;
+    * ``"openai"``: content as a list of ``{"type": "text", "text": ...}`` parts (a string becomes one part,
+      missing or None content ``[]``); a tool result without media parts becomes one string.
+    """
+    if content_format not in ("string", "openai"):
+        raise ValueError(f"content_format must be 'string' or 'openai', got {content_format!r}")
+    view: list[dict[str, Any]] = []
+    removed: list[tuple[int, ContentPart]] = []
+    for index, message in enumerate(_as_conversation(conversation)):
+        data = _without_none(message.to_dict())
+        data.pop("content", None)
+        texts: list[str] = []
+        had_media = False
+        if isinstance(message.content, str):
+            texts.append(message.content)
+        elif message.content is not None:
+            for part in message.content:
+                if not part.is_text:
+                    removed.append((index, part))
+                    had_media = True
+                elif (text := part.as_text()) is not None:
+                    # A text-like part without its text is skipped, as vLLM does.
+                    texts.append(text)
+        content: str | list[dict[str, str]]
+        # Recent vLLM also flattens a tool result to one string unless it holds media.
+        if content_format == "string" or (message.role == "tool" and not had_media):
+            content = "\n".join(texts)
+        else:
+            content = [{"type": "text", "text": text} for text in texts]
+        # vLLM builds each message as role, content, then the keys it knows; anything else is not sent on.
+        data = {
+            "role": data.pop("role"),
+            "content": content,
+            **{k: v for k, v in data.items() if k in _SERVER_KEYS},
+        }
+        if "tool_calls" in data:
+            if not data["tool_calls"]:
+                del data["tool_calls"]
+            else:
+                for call in data["tool_calls"]:
+                    holder = call["function"] if isinstance(call.get("function"), dict) else call
+                    holder["arguments"] = _parse_arguments(holder.get("arguments"))
+        view.append(data)
+    return view, removed

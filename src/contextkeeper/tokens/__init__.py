@@ -1,0 +1,23 @@
+"""Exact token counting: the protocol, the Hugging Face and mistral-common counters, and loading."""
+
+from .base import Measurement, MessagesLike, TokenCounter, ToolsLike
+from .breakdown import Breakdown, breakdown
+from .hf import HFChatTemplateCounter, detect_content_format
+from .loading import load_counter, load_hf_tokenizer
+from .media import MediaCost
+from .mistral import MistralCounter
+
+__all__ = [
+    "Breakdown",
+    "HFChatTemplateCounter",
+    "Measurement",
+    "MediaCost",
+    "MessagesLike",
+    "MistralCounter",
+    "TokenCounter",
+    "ToolsLike",
+    "breakdown",
+    "detect_content_format",
+    "load_counter",
+    "load_hf_tokenizer",
+]

@@ -1,0 +1,172 @@
+"""Exact, cached token counts of rendered prompts.
+
+Hugging Face tokenizers cut the input at added tokens (the special tokens a chat template writes) before
+anything else, then normalise, pre-tokenise and encode each piece on its own. So the length of
+``encode(text)`` is the number of added-token matches plus the sum of each piece's own length, where a piece
+is encoded the way it is encoded after an added token — except the piece at the very start of the text, which
+some SentencePiece tokenizers prefix with a space. We count every distinct piece once and remember it, so a
+long conversation costs its new pieces only.
+
+The rule is checked against the tokenizer itself when the counter is built (``PieceCounter.verify``); a
+tokenizer that breaks it (for example added tokens matched on normalised text) is counted by encoding the
+whole text instead — slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["PieceCounter"]
+
+_PROBE_TEXTS = (
+    "Hello world",
+    " leading space",
+    "\n\ntrailing newlines\n\n",
+    "  two spaces  ",
+    "ünïcödé 中文 🙂 émoji",
+    "```python\ndef f(x):\n    return x * 2\n```",
+    '{"key": [1, 2.5, "three"], "nested": {"a": null}}',
+    "\t tab and\r\ncarriage",
+    "",
+    "x",
+)
+
+
+class _Generational:
+    """A bounded cache: two generations of dicts, the older dropped when the newer fills up.
+
+    Plain dict hits, no per-hit bookkeeping, and at most ``2 * limit`` entries.
+    """
+
+    __slots__ = ("_limit", "_new", "_old")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._new: dict[str, int] = {}
+        self._old: dict[str, int] = {}
+
+    def get(self, key: str) -> int | None:
+        value = self._new.get(key)
+        if value is None:
+            value = self._old.get(key)
+            if value is not None:
+                self._put(key, value)
+        return value
+
+    def _put(self, key: str, value: int) -> None:
+        if len(self._new) >= self._limit:
+            self._old = self._new
+            self._new = {}
+        self._new[key] = value
+
+    put = _put
+
+    def __len__(self) -> int:
+        return len(self._new) + len(self._old)
+
+    def clear(self) -> None:
+        self._new.clear()
+        self._old.clear()
+
+
+class PieceCounter:
+    """Counts ``len(tokenizer.encode(text, add_special_tokens=False))`` piece by piece, with a cache."""
+
+    def __init__(self, backend: Any, *, cache_entries: int = 50_000) -> None:
+        self._backend = backend  # a tokenizers.Tokenizer
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        patterns: list[tuple[int, str]] = []
+        anchor: str | None = None
+        self.has_single_word = False
+        for token in added.values():
+            content: str = token.content
+            if not content:
+                continue
+            self.has_single_word |= bool(token.single_word)
+            pattern = re.escape(content)
+            # lstrip / rstrip tokens swallow the whitespace beside them, which then costs no token.
+            if token.lstrip:
+                pattern = r"\s*" + pattern
+            if token.rstrip:
+                pattern = pattern + r"\s*"
+            patterns.append((len(content), pattern))
+            plain = token.special and not token.lstrip and not token.rstrip
+            if anchor is None and plain and len(backend.encode(content, add_special_tokens=False).ids) == 1:
+                anchor = content
+        # Longest first, so a token wins over any token it contains (the tokenizer matches leftmost-longest).
+        patterns.sort(key=lambda item: -item[0])
+        self._split = re.compile("(" + "|".join(p for _, p in patterns) + ")").split if patterns else None
+        self._anchor = anchor
+        self._after = _Generational(cache_entries)
+        self._first = _Generational(1024)
+        self.fast = self._split is not None and anchor is not None and not self.has_single_word
+
+    # -- counting --------------------------------------------------------------------------------------------
+    def full(self, text: str) -> int:
+        """The reference: encode the whole text at once."""
+        return len(self._backend.encode(text, add_special_tokens=False).ids)
+
+    def count(self, text: str) -> int:
+        """Exact token count of ``text`` (no special tokens added)."""
+        if not self.fast or self._split is None:
+            return self.full(text)
+        parts = self._split(text)
+        total = len(parts) // 2  # one token per added-token match
+        first = parts[0]
+        if first:
+            cached = self._first.get(first)
+            if cached is None:
+                cached = len(self._backend.encode(first, add_special_tokens=False).ids)
+                self._first.put(first, cached)
+            total += cached
+        missing: list[str] = []
+        after = self._after
+        for piece in parts[2::2]:
+            if not piece:
+                continue
+            cached = after.get(piece)
+            if cached is None:
+                missing.append(piece)
+            else:
+                total += cached
+        if missing:
+            total += self._encode_new(missing)
+        return total
+
+    def _encode_new(self, pieces: list[str]) -> int:
+        unique = list(dict.fromkeys(pieces))
+        anchor = self._anchor
+        assert anchor is not None
+        encodings = self._backend.encode_batch([anchor + p for p in unique], add_special_tokens=False)
+        lengths = {p: len(e.ids) - 1 for p, e in zip(unique, encodings, strict=True)}
+        for piece, n in lengths.items():
+            self._after.put(piece, n)
+        return sum(lengths[p] for p in pieces)
+
+    # -- self-check ------------------------------------------------------------------------------------------
+    def verify(self, extra: tuple[str, ...] = ()) -> bool:
+        """Check the piece rule against whole-text encoding on probe texts; switch it off if it fails."""
+        if not self.fast:
+            return False
+        added = [t.content for t in self._backend.get_added_tokens_decoder().values() if t.content]
+        specials = added[:64] + added[-64:]
+        samples = list(extra)
+        for i, text in enumerate(_PROBE_TEXTS):
+            token = specials[i % len(specials)] if specials else ""
+            samples.append(text + token + text + token + " " + text)
+            samples.append(token + text + "\n" + token + token + text)
+        for sample in samples:
+            if self.count(sample) != self.full(sample):
+                self.fast = False
+                self.clear()
+                return False
+        return True
+
+    def clear(self) -> None:
+        self._after.clear()
+        self._first.clear()
+
+    @property
+    def cached_pieces(self) -> int:
+        return len(self._after) + len(self._first)

@@ -1,0 +1,240 @@
+"""Exact prompt counts through a Hugging Face tokenizer and its Jinja chat template."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jinja2
+import jinja2.nodes
+
+from .._exceptions import ChatTemplateError
+from ..messages import Conversation, raw_view, server_view
+from ._pieces import PieceCounter
+from ._sandbox import compile_template
+from .base import Measurement, MessagesLike, ToolsLike
+from .media import MediaCost, media_cost_for
+
+__all__ = ["HFChatTemplateCounter", "detect_content_format"]
+
+logger = logging.getLogger("contextkeeper")
+
+View = Literal["server", "raw"]
+ContentFormat = Literal["auto", "string", "openai"]
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def detect_content_format(source: str) -> Literal["string", "openai"]:
+    """``"openai"`` when the template loops over a message's ``content`` (it expects a list of parts), else
+    ``"string"`` — the same decision vLLM's ``--chat-template-content-format auto`` makes."""
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    for loop in ast.find_all(jinja2.nodes.For):
+        node: jinja2.nodes.Node = loop.iter
+        while isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+            node = node.node
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == "content":
+            return "openai"
+        if (
+            isinstance(node, jinja2.nodes.Getitem)
+            and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == "content"
+        ):
+            return "openai"
+    return "string"
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """What transformers hands the template for one message: None values dropped, reasoning aliased."""
+    clean = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((clean[k] for k in _REASONING_FIELDS if k in clean), None)
+    if reasoning is not None:
+        clean = {"thinking": reasoning, **clean, "reasoning_content": reasoning}
+    return clean
+
+
+class HFChatTemplateCounter:
+    """Counts prompts exactly as an OpenAI-compatible server does with this tokenizer and template.
+
+    ``count`` equals ``len(tokenizer.apply_chat_template(server_view(messages), tools=tools,
+    add_generation_prompt=True, tokenize=True))``: the messages are first given the preprocessing vLLM applies
+    (``view="server"``: JSON-string tool arguments parsed, empty ``tool_calls`` dropped, content shaped for the
+    template's content format), or left as transformers takes them (``view="raw"``). The template renders in a
+    sandbox; the rendered text is counted piece by piece between special tokens, with a cache, so a new turn
+    costs its own text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        view: View = "server",
+        content_format: ContentFormat = "auto",
+        media_cost: MediaCost | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.name = name or str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+        source = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        if not source:
+            raise ChatTemplateError(
+                f"tokenizer {self.name!r} has no chat template. Pass chat_template=<Jinja source> (Python) or "
+                "--chat-template FILE (CLI), or use a tokenizer folder whose tokenizer_config.json or "
+                "chat_template.jinja holds one."
+            )
+        self._templates: str | dict[str, str] = source
+        self.template_kwargs = dict(template_kwargs or {})
+        self.view: View = view
+        sample = source if isinstance(source, str) else "\n".join(source.values())
+        self.content_format: Literal["string", "openai"] = (
+            detect_content_format(sample) if content_format == "auto" else content_format
+        )
+        self.media_cost = media_cost_for(self.name, media_cost)
+        self.renders_date = "strftime_now" in sample or "date_string" in sample
+        self.ignores_tools: bool | None = None  # learnt on the first count with tools
+        self._lock = threading.Lock()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._pieces = PieceCounter(backend) if backend is not None else None
+        if self._pieces is not None:
+            self._pieces.verify()
+            if not self._pieces.fast:
+                logger.info(
+                    "contextkeeper: %s: piece-wise counting disagreed with the tokenizer; counting whole "
+                    "prompts instead (exact, slower)",
+                    self.name,
+                )
+
+    # -- the protocol ----------------------------------------------------------------------------------------
+    def count(self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True) -> int:
+        """Exact prompt tokens (text exact; non-text parts priced by ``media_cost``, see ``measure``)."""
+        return self.measure(messages, tools=tools, add_generation_prompt=add_generation_prompt).tokens
+
+    def measure(
+        self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
+    ) -> Measurement:
+        """Count ``messages`` and ``tools`` and say what the count is made of."""
+        conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
+        plain, media = self._view(conversation)
+        tool_list = [dict(t) for t in tools] if tools else None
+        text = self.render_view(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
+        notes: list[str] = []
+        if tool_list and self.ignores_tools is None:
+            without = self.render_view(plain, tools=None, add_generation_prompt=add_generation_prompt)
+            self.ignores_tools = without == text
+            if self.ignores_tools:
+                logger.warning(
+                    "contextkeeper: the chat template of %s ignores `tools`: tool schemas cost 0 tokens "
+                    "in this template and the model never sees them",
+                    self.name,
+                )
+        if tool_list and self.ignores_tools:
+            notes.append("the chat template ignores tools: they cost 0 tokens and the model does not see them")
+        if self.renders_date:
+            notes.append("the chat template renders today's date; the count is exact for today")
+        text_tokens = self.count_text(text)
+        media_tokens = sum(self.media_cost.for_part(str(part.type)) for _, part in media)
+        if media:
+            notes.append(f"{len(media)} non-text part(s) priced at {media_tokens} tokens by {self.media_cost.source}")
+        return Measurement(
+            tokens=text_tokens + media_tokens,
+            text_tokens=text_tokens,
+            media_tokens=media_tokens,
+            media_parts=len(media),
+            estimated=bool(media),
+            notes=tuple(notes),
+        )
+
+    # -- pieces ----------------------------------------------------------------------------------------------
+    def _view(self, conversation: Conversation) -> tuple[list[dict[str, Any]], list[Any]]:
+        if self.view == "raw":
+            return raw_view(conversation), []
+        return server_view(conversation, content_format=self.content_format)
+
+    def template_for(self, tools: Sequence[Any] | None) -> str:
+        """The template source used for this call (a named ``tool_use`` template when tools are given)."""
+        templates = self._templates
+        if isinstance(templates, str):
+            return templates
+        if tools and "tool_use" in templates:
+            return templates["tool_use"]
+        if "default" in templates:
+            return templates["default"]
+        raise ChatTemplateError(
+            f"tokenizer {self.name!r} has named chat templates {sorted(templates)} but no 'default'; pass "
+            "chat_template=<one of them>."
+        )
+
+    def render_view(
+        self, plain: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
+        """Render already-preprocessed message dicts with the template, in the sandbox."""
+        template = compile_template(self.template_for(tools))
+        kwargs = {**self.tokenizer.special_tokens_map, **self.template_kwargs}
+        try:
+            return template.render(
+                messages=[_template_message(m) for m in plain],
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(
+                f"the chat template of {self.name} rejected these messages: {exc}. This model's template does not "
+                "accept this conversation shape; change the messages (for example merge system messages or "
+                "alternate user/assistant), or pass another chat_template.",
+                template_message=str(exc),
+            ) from exc
+        except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
+            raise ChatTemplateError(
+                f"the chat template of {self.name} failed on these messages ({type(exc).__name__}: {exc}). "
+                "It expects another message shape; check optional fields such as content=None or tool_calls.",
+                template_message=f"{type(exc).__name__}: {exc}",
+            ) from exc
+
+    def render(self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True) -> str:
+        """The prompt text the template produces for ``messages`` (after the configured preprocessing)."""
+        conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
+        plain, _ = self._view(conversation)
+        return self.render_view(
+            plain,
+            tools=[dict(t) for t in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def count_text(self, text: str) -> int:
+        """Tokens of an already-rendered prompt, no special tokens added."""
+        if self._pieces is None:
+            return len(self.tokenizer.encode(text, add_special_tokens=False))
+        with self._lock:
+            return self._pieces.count(text)
+
+    @property
+    def piece_counting(self) -> bool:
+        """Whether counts use the cached piece rule (verified for this tokenizer) or whole-text encoding."""
+        return self._pieces is not None and self._pieces.fast
+
+    # -- reference -------------------------------------------------------------------------------------------
+    def reference_count(
+        self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
+    ) -> int:
+        """The slow, obvious count through ``tokenizer.apply_chat_template`` (for tests and audits)."""
+        conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
+        plain, media = self._view(conversation)
+        ids = self.tokenizer.apply_chat_template(
+            plain,
+            tools=[dict(t) for t in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            chat_template=self.template_for(tools),
+            **self.template_kwargs,
+        )
+        return len(ids) + sum(self.media_cost.for_part(str(part.type)) for _, part in media)
