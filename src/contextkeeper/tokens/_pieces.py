@@ -101,10 +101,12 @@ class PieceCounter:
         self._after = _Generational(cache_entries)
         self._first = _Generational(1024)
         self.fast = self._split is not None and anchor is not None and not self.has_single_word
+        self.encoded_chars = 0  # characters sent to the tokenizer so far: what caching saves is visible here
 
     # -- counting --------------------------------------------------------------------------------------------
     def full(self, text: str) -> int:
         """The reference: encode the whole text at once."""
+        self.encoded_chars += len(text)
         return len(self._backend.encode(text, add_special_tokens=False).ids)
 
     def count(self, text: str) -> int:
@@ -118,6 +120,7 @@ class PieceCounter:
             cached = self._first.get(first)
             if cached is None:
                 cached = len(self._backend.encode(first, add_special_tokens=False).ids)
+                self.encoded_chars += len(first)
                 self._first.put(first, cached)
             total += cached
         missing: list[str] = []
@@ -136,6 +139,7 @@ class PieceCounter:
 
     def _encode_new(self, pieces: list[str]) -> int:
         unique = list(dict.fromkeys(pieces))
+        self.encoded_chars += sum(len(p) for p in unique)
         anchor = self._anchor
         assert anchor is not None
         encodings = self._backend.encode_batch([anchor + p for p in unique], add_special_tokens=False)
@@ -156,16 +160,15 @@ class PieceCounter:
             token = specials[i % len(specials)] if specials else ""
             samples.append(text + token + text + token + " " + text)
             samples.append(token + text + "\n" + token + token + text)
-        for sample in samples:
-            if self.count(sample) != self.full(sample):
-                self.fast = False
-                self.clear()
-                return False
-        return True
+        agree = all(self.count(sample) == self.full(sample) for sample in samples)
+        self.clear()
+        self.fast = agree
+        return agree
 
     def clear(self) -> None:
         self._after.clear()
         self._first.clear()
+        self.encoded_chars = 0
 
     @property
     def cached_pieces(self) -> int:

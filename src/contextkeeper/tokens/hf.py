@@ -126,7 +126,10 @@ class HFChatTemplateCounter:
         text = self.render_view(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
         notes: list[str] = []
         if tool_list and self.ignores_tools is None:
-            without = self.render_view(plain, tools=None, add_generation_prompt=add_generation_prompt)
+            try:
+                without = self.render_view(plain, tools=None, add_generation_prompt=add_generation_prompt)
+            except ChatTemplateError:  # a template that cannot render without tools certainly reads them
+                without = None
             self.ignores_tools = without == text
             if self.ignores_tools:
                 logger.warning(
@@ -215,6 +218,11 @@ class HFChatTemplateCounter:
             return len(self.tokenizer.encode(text, add_special_tokens=False))
         with self._lock:
             return self._pieces.count(text)
+
+    @property
+    def encoded_chars(self) -> int:
+        """Characters handed to the tokenizer so far; cached pieces cost nothing here."""
+        return self._pieces.encoded_chars if self._pieces is not None else 0
 
     @property
     def piece_counting(self) -> bool:

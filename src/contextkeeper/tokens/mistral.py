@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from pathlib import Path
@@ -54,8 +55,9 @@ def _resolve(name: str) -> Path:
     )
 
 
+@functools.lru_cache(maxsize=16)
 def load_mistral_tokenizer(name: str, *, finetuning: bool = False) -> Any:
-    """Load a mistral-common ``MistralTokenizer`` by alias, shipped file name or path."""
+    """Load a mistral-common ``MistralTokenizer`` by alias, shipped file name or path (cached: loads take ~1 s)."""
     try:
         from mistral_common.protocol.instruct.validator import ValidationMode
         from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
@@ -74,6 +76,9 @@ class MistralCounter:
 
     This is the reference for Mistral models: vLLM's ``--tokenizer-mode mistral`` encodes requests with it.
     Tool-call ids are shortened to their last 9 characters first, as vLLM does for Mistral tokenizers.
+    mistral-common has no separate generation prompt: a conversation ending on a user or tool turn is encoded
+    for serving (ending in ``[/INST]`` or the tool results), one ending on an assistant turn as a finished
+    exchange; ``add_generation_prompt`` is accepted for the protocol and does not change the count.
     """
 
     def __init__(self, name: str, *, media_cost: MediaCost | None = None) -> None:
@@ -97,6 +102,7 @@ class MistralCounter:
         self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
     ) -> Measurement:
         """Count ``messages`` and ``tools`` and say what the count is made of."""
+        from mistral_common.exceptions import MistralCommonException
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
         conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
@@ -105,10 +111,11 @@ class MistralCounter:
             for call in message.get("tool_calls", ()):
                 if isinstance(call.get("id"), str):
                     call["id"] = call["id"][-9:]
-        ends_with_answer = bool(plain) and plain[-1]["role"] == "assistant"
+            if isinstance(message.get("tool_call_id"), str):
+                message["tool_call_id"] = message["tool_call_id"][-9:]
         tokenizer = self._serving
-        if ends_with_answer or not add_generation_prompt:
-            # A finished conversation (last turn answered) is only valid in mistral-common's training mode.
+        if plain and plain[-1]["role"] == "assistant":
+            # A conversation whose last turn is answered is only valid in mistral-common's training mode.
             with self._lock:
                 if self._finetuning is None:
                     self._finetuning = load_mistral_tokenizer(self._spec, finetuning=True)
@@ -118,9 +125,15 @@ class MistralCounter:
                 messages=plain, tools=[dict(t) for t in tools] if tools else None
             )
             tokens = len(tokenizer.encode_chat_completion(request).tokens)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (MistralCommonException, ValueError, TypeError, KeyError) as exc:
+            hint = (
+                " Mistral models need tool-call ids of 9 letters or digits; servers keep the last 9 characters of "
+                "longer ids, so give your calls such ids."
+                if "tool call id" in str(exc).lower()
+                else ""
+            )
             raise ChatTemplateError(
-                f"mistral-common refused these messages for {self.name}: {exc}",
+                f"mistral-common refused these messages for {self.name}: {str(exc).rstrip('.')}.{hint}",
                 template_message=str(exc),
             ) from exc
         media_tokens = sum(self.media_cost.for_part(str(part.type)) for _, part in media)
