@@ -160,7 +160,7 @@ def build(messages: int = 2000, seed: int = 7) -> list[dict[str, Any]]:
                 {
                     "role": "tool",
                     "tool_call_id": call_id,
-                    "content": _tool_result(rng, rng.randrange(40, 2200)),
+                    "content": _tool_result(rng, rng.randrange(30, 1000)),
                 }
             )
         out.append({"role": "assistant", "content": _sentence(rng, rng.randrange(20, 160))})

@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from agent_conversation import TOOLS, build  # noqa: E402
-from assets import template, tokenizer_dir  # noqa: E402
 
 import contextkeeper as ck  # noqa: E402
+from assets import template, tokenizer_dir  # noqa: E402
 
 CASES = [
     ("Qwen2.5-7B-Instruct", "Qwen-Qwen2.5-7B-Instruct", "qwen2"),
@@ -40,6 +40,13 @@ def _requests(messages: list[dict[str, Any]], start: int) -> list[int]:
         if messages[i]["role"] in ("user", "tool") and nxt != "tool":
             ends.append(i + 1)
     return ends
+
+
+def _from_user(messages: list[dict[str, Any]], start: int, stop: int) -> list[dict[str, Any]]:
+    """messages[start:stop], moved forward to begin on a user turn (whole units only)."""
+    while messages[start]["role"] != "user":
+        start += 1
+    return messages[start:stop]
 
 
 def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: int) -> dict[str, Any]:
@@ -64,7 +71,29 @@ def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: i
         counter.count(messages[:stop], tools=TOOLS)
         per_turn.append((time.perf_counter() - t0) * 1000)
 
+    # What the fit engine counts once history exceeds the context: the system prompt plus a recent window.
+    window_ms = []
+    for stop in later:
+        window = messages[:1] + _from_user(messages, stop - 400, stop)
+        t0 = time.perf_counter()
+        window_tokens = counter.count(window, tools=TOOLS)
+        window_ms.append((time.perf_counter() - t0) * 1000)
+
+    # Where a warm per-turn count spends its time.
+    stage_ms = {}
+    t0 = time.perf_counter()
     conversation = ck.Conversation.from_messages(messages[: later[-1]])
+    stage_ms["validate"] = (time.perf_counter() - t0) * 1000
+    t0 = time.perf_counter()
+    plain, _ = counter._view(conversation)
+    stage_ms["view"] = (time.perf_counter() - t0) * 1000
+    t0 = time.perf_counter()
+    text = counter.render_view(plain, tools=TOOLS, add_generation_prompt=True)
+    stage_ms["render"] = (time.perf_counter() - t0) * 1000
+    t0 = time.perf_counter()
+    counter.count_text(text)
+    stage_ms["count"] = (time.perf_counter() - t0) * 1000
+
     t0 = time.perf_counter()
     counter.count(conversation, tools=TOOLS)
     prevalidated_ms = (time.perf_counter() - t0) * 1000
@@ -75,7 +104,7 @@ def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: i
         plain, _ = ck.server_view(ck.Conversation.from_messages(messages[:stop]), content_format=counter.content_format)
         t0 = time.perf_counter()
         ids = tokenizer.apply_chat_template(
-            plain, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+            plain, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False, chat_template=source
         )
         full.append(time.perf_counter() - t0)
         checked.append(len(ids) == counter.count(messages[:stop], tools=TOOLS))
@@ -93,6 +122,10 @@ def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: i
         "per_turn_p50_ms": round(p50, 2),
         "per_turn_p95_ms": round(p95, 2),
         "prevalidated_ms": round(prevalidated_ms, 2),
+        "window_messages": 400,
+        "window_tokens": window_tokens,
+        "window_p50_ms": round(statistics.median(window_ms), 2),
+        "stages_ms": {k: round(v, 1) for k, v in stage_ms.items()},
         "full_recount_s": round(full_s, 3),
         "speedup_per_turn": round(full_s * 1000 / p50, 1),
         "cold_vs_recount": round(cold_s / full_s, 2),
@@ -128,6 +161,20 @@ def main() -> int:
             f"| {r['case']} | {r['messages']} | {r['tokens']:,} | {r['cold_s']:.2f} s | {r['per_turn_p50_ms']:.1f} ms "
             f"| {r['per_turn_p95_ms']:.1f} ms | {r['full_recount_s']:.2f} s | {r['speedup_per_turn']:.0f}× "
             f"| {r['cold_vs_recount']:.2f} | {'yes' if r['exact'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "Where a warm per-turn count of the whole conversation spends its time, and the count of a recent window "
+        "(system prompt + the last ~400 messages, what the fit engine counts once history exceeds the context):",
+        "",
+        "| template | validate | view | render (Jinja) | count pieces | window tokens | window count p50 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        st = r["stages_ms"]
+        lines.append(
+            f"| {r['case']} | {st['validate']:.1f} ms | {st['view']:.1f} ms | {st['render']:.1f} ms "
+            f"| {st['count']:.1f} ms | {r['window_tokens']:,} | {r['window_p50_ms']:.1f} ms |"
         )
     lines.append("<!-- counting:end -->")
     block = "\n".join(lines)

@@ -76,7 +76,7 @@ def test_count_equals_apply_chat_template(case: tuple[str, str, dict[str, Any]],
             with pytest.raises(ck.ChatTemplateError) as info:
                 counter.count(messages, tools=tools)
             assert info.value.template_message is not None, shape
-            # The reference's own error text reaches the user (compared outside the except block's ruff rule).
+            # The template's own error text must reach the user.
             refused = str(exc).split("\n")[0][:40]
             assert refused in info.value.template_message or type(exc).__name__ in str(info.value), shape  # noqa: PT017
             continue

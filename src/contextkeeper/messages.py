@@ -61,6 +61,7 @@ __all__ = [
     "UnitKind",
     "raw_view",
     "server_view",
+    "server_view_message",
 ]
 
 Role: TypeAlias = Literal["system", "developer", "user", "assistant", "tool"]
@@ -417,10 +418,54 @@ MessageLike: TypeAlias = Any
 _InputFormat: TypeAlias = Literal["dict", "message", "object"]
 
 
+class _ParseMemo:
+    """Validated messages of recently seen input dicts, so a growing chat re-validates only its new turns.
+
+    An entry is reused only for the very same dict object that still equals the copy taken when it was
+    validated (a deep comparison, cheap because the strings are shared), so a dict changed in place is
+    validated again. Two generations bound the memory to ``2 * limit`` entries.
+    """
+
+    def __init__(self, limit: int = 16_384) -> None:
+        self._limit = limit
+        self._new: dict[int, tuple[object, dict[str, Any], Message]] = {}
+        self._old: dict[int, tuple[object, dict[str, Any], Message]] = {}
+
+    def get(self, item: object) -> Message | None:
+        key = id(item)
+        entry = self._new.get(key) or self._old.get(key)
+        if entry is None or entry[0] is not item or entry[1] != item:
+            return None
+        if key not in self._new:
+            self.put(item, entry[1], entry[2])
+        return entry[2]
+
+    def put(self, item: object, snapshot: dict[str, Any], message: Message) -> None:
+        if len(self._new) >= self._limit:
+            self._old, self._new = self._new, {}
+        # Holding the item keeps its id from being reused by another object while the entry lives.
+        self._new[id(item)] = (item, snapshot, message)
+
+
+_MEMO = _ParseMemo()
+
+
 def _parse_message(item: object, index: int | None) -> tuple[Message, _InputFormat]:
     if isinstance(item, Message):
         return item, "message"
     fmt: _InputFormat
+    if type(item) is dict:
+        known = _MEMO.get(item)
+        if known is not None:
+            return known, "dict"
+        snapshot = copy.deepcopy(item)
+        try:
+            message = Message.model_validate(copy.deepcopy(snapshot))
+        except ValidationError as exc:
+            text, fix = _describe(exc)
+            raise InvalidMessage(text, index=index, fix=fix) from None
+        _MEMO.put(item, snapshot, message)
+        return message, "dict"
     if isinstance(item, Mapping):
         data: Any = copy.deepcopy(dict(item))
         fmt = "dict"
@@ -814,38 +859,42 @@ def server_view(
     view: list[dict[str, Any]] = []
     removed: list[tuple[int, ContentPart]] = []
     for index, message in enumerate(_as_conversation(conversation)):
-        data = _without_none(message.to_dict())
-        data.pop("content", None)
-        texts: list[str] = []
-        had_media = False
-        if isinstance(message.content, str):
-            texts.append(message.content)
-        elif message.content is not None:
-            for part in message.content:
-                if not part.is_text:
-                    removed.append((index, part))
-                    had_media = True
-                elif (text := part.as_text()) is not None:
-                    # A text-like part without its text is skipped, as vLLM does.
-                    texts.append(text)
-        content: str | list[dict[str, str]]
-        # Recent vLLM also flattens a tool result to one string unless it holds media.
-        if content_format == "string" or (message.role == "tool" and not had_media):
-            content = "\n".join(texts)
-        else:
-            content = [{"type": "text", "text": text} for text in texts]
-        # vLLM builds each message as role, content, then the keys it knows; anything else is not sent on.
-        data = {
-            "role": data.pop("role"),
-            "content": content,
-            **{k: v for k, v in data.items() if k in _SERVER_KEYS},
-        }
-        if "tool_calls" in data:
-            if not data["tool_calls"]:
-                del data["tool_calls"]
-            else:
-                for call in data["tool_calls"]:
-                    holder = call["function"] if isinstance(call.get("function"), dict) else call
-                    holder["arguments"] = _parse_arguments(holder.get("arguments"))
+        data, media = server_view_message(message, content_format=content_format)
         view.append(data)
+        removed.extend((index, part) for part in media)
     return view, removed
+
+
+def server_view_message(
+    message: Message, *, content_format: ContentFormat = "string"
+) -> tuple[dict[str, Any], list[ContentPart]]:
+    """One message of :func:`server_view`: its new plain dict and the non-text parts taken out of it."""
+    data = _without_none(message.to_dict())
+    data.pop("content", None)
+    texts: list[str] = []
+    media: list[ContentPart] = []
+    if isinstance(message.content, str):
+        texts.append(message.content)
+    elif message.content is not None:
+        for part in message.content:
+            if not part.is_text:
+                media.append(part)
+            elif (text := part.as_text()) is not None:
+                # A text-like part without its text is skipped, as vLLM does.
+                texts.append(text)
+    content: str | list[dict[str, str]]
+    # Recent vLLM also flattens a tool result to one string unless it holds media.
+    if content_format == "string" or (message.role == "tool" and not media):
+        content = "\n".join(texts)
+    else:
+        content = [{"type": "text", "text": text} for text in texts]
+    # vLLM builds each message as role, content, then the keys it knows; anything else is not sent on.
+    data = {"role": data.pop("role"), "content": content, **{k: v for k, v in data.items() if k in _SERVER_KEYS}}
+    if "tool_calls" in data:
+        if not data["tool_calls"]:
+            del data["tool_calls"]
+        else:
+            for call in data["tool_calls"]:
+                holder = call["function"] if isinstance(call.get("function"), dict) else call
+                holder["arguments"] = _parse_arguments(holder.get("arguments"))
+    return data, media

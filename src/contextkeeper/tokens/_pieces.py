@@ -33,6 +33,71 @@ _PROBE_TEXTS = (
 )
 
 
+def _trie_pattern(tokens: list[str]) -> str:
+    """A regex matching any of ``tokens``, longest match first, factored by common prefixes."""
+    trie: dict[str, Any] = {}
+    for token in tokens:
+        node = trie
+        for char in token:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def build(node: dict[str, Any]) -> str:
+        ends = "" in node
+        branches = [re.escape(char) + build(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        if ends:  # a token ends here and longer ones continue: try the longer first (greedy), else stop here
+            return "(?:" + body + ")?"
+        return body
+
+    return "(?:" + build(trie) + ")" if len(trie) else ""
+
+
+class _Splitter:
+    """``re.split``-shaped cutting of a text at added tokens, leftmost-longest like the tokenizer.
+
+    One pattern per first character, each starting with that literal character so the regex engine can skip
+    ahead at C speed (an alternation over hundreds of tokens tests every position instead), and a trie shape
+    inside so common prefixes are matched once. Matches from the groups are merged left to right.
+    """
+
+    def __init__(self, patterns: list[tuple[str, str | None]]) -> None:
+        groups: dict[str, list[str]] = {}
+        swallowing: list[tuple[str, str]] = []
+        for content, pattern in patterns:
+            if pattern is None:
+                groups.setdefault(content[0], []).append(content)
+            else:
+                swallowing.append((content, pattern))
+        regexes = [
+            re.escape(first) + _trie_pattern([t[1:] for t in tokens]) for first, tokens in sorted(groups.items())
+        ]
+        if swallowing:
+            swallowing.sort(key=lambda item: -len(item[0]))
+            regexes.append("|".join(p for _, p in swallowing))
+        self._finders = [re.compile(r).finditer for r in regexes]
+        # One group (the common case: every token starts with "<"): re.split does it all in C.
+        self._single = re.compile("(" + regexes[0] + ")").split if len(regexes) == 1 else None
+
+    def split(self, text: str) -> list[str]:
+        if self._single is not None:
+            return self._single(text)
+        # Leftmost first; at the same start the longest match wins.
+        spans = sorted((m.span() for find in self._finders for m in find(text)), key=lambda s: (s[0], -s[1]))
+        parts: list[str] = []
+        last = 0
+        for start, end in spans:
+            if start < last or start == end:  # overlaps a token already taken
+                continue
+            parts.append(text[last:start])
+            parts.append(text[start:end])
+            last = end
+        parts.append(text[last:])
+        return parts
+
+
 class _Generational:
     """A bounded cache: two generations of dicts, the older dropped when the newer fills up.
 
@@ -76,7 +141,7 @@ class PieceCounter:
     def __init__(self, backend: Any, *, cache_entries: int = 50_000) -> None:
         self._backend = backend  # a tokenizers.Tokenizer
         added = backend.get_added_tokens_decoder()  # id -> AddedToken
-        patterns: list[tuple[int, str]] = []
+        patterns: list[tuple[str, str | None]] = []  # (content, pattern for whitespace-swallowing tokens)
         anchor: str | None = None
         self.has_single_word = False
         for token in added.values():
@@ -84,19 +149,15 @@ class PieceCounter:
             if not content:
                 continue
             self.has_single_word |= bool(token.single_word)
-            pattern = re.escape(content)
             # lstrip / rstrip tokens swallow the whitespace beside them, which then costs no token.
-            if token.lstrip:
-                pattern = r"\s*" + pattern
-            if token.rstrip:
-                pattern = pattern + r"\s*"
-            patterns.append((len(content), pattern))
+            pattern = None
+            if token.lstrip or token.rstrip:
+                pattern = (r"\s*" if token.lstrip else "") + re.escape(content) + (r"\s*" if token.rstrip else "")
+            patterns.append((content, pattern))
             plain = token.special and not token.lstrip and not token.rstrip
             if anchor is None and plain and len(backend.encode(content, add_special_tokens=False).ids) == 1:
                 anchor = content
-        # Longest first, so a token wins over any token it contains (the tokenizer matches leftmost-longest).
-        patterns.sort(key=lambda item: -item[0])
-        self._split = re.compile("(" + "|".join(p for _, p in patterns) + ")").split if patterns else None
+        self._split = _Splitter(patterns).split if patterns else None
         self._anchor = anchor
         self._after = _Generational(cache_entries)
         self._first = _Generational(1024)

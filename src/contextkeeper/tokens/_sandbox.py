@@ -3,9 +3,9 @@
 Chat templates are untrusted code from model repositories, so they only ever run in Jinja's
 ``ImmutableSandboxedEnvironment``. We copy the filters, globals, tests and extensions of the environment
 transformers builds (so ``raise_exception``, ``strftime_now``, ``tojson`` and ``{% generation %}`` behave the
-same) and add one speed-up: attribute access on plain dicts (``message.role``), which is most of what a
-template does, skips the generic sandbox probing. The result is the same value the sandbox would return —
-dicts have no unsafe attributes under those names — and the security checks still apply to everything else.
+same) and add fast paths for what templates mostly do — ``message.role`` on plain dicts, ``text.strip()`` on
+strings, ``ns.flag`` on namespaces — which skip the generic sandbox probing. Each returns the same value the
+sandbox would (none of those names is unsafe on those types), and the checks still apply to everything else.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 
@@ -30,6 +31,13 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
                 return obj[attribute]
             except KeyError:
                 return self.undefined(obj=obj, name=attribute)
+        # str methods (content.strip()) and namespace fields (ns.last_query_index) are what the sandbox's checks
+        # would allow anyway for public names: neither is a known-mutable type nor an internal object.
+        if not attribute.startswith("_") and (type(obj) is str or isinstance(obj, Namespace)):
+            try:
+                return getattr(obj, attribute)
+            except AttributeError:
+                pass
         return super().getattr(obj, attribute)
 
 

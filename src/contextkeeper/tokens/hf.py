@@ -11,7 +11,7 @@ import jinja2
 import jinja2.nodes
 
 from .._exceptions import ChatTemplateError
-from ..messages import Conversation, raw_view, server_view
+from ..messages import ContentPart, Conversation, Message, server_view_message
 from ._pieces import PieceCounter
 from ._sandbox import compile_template
 from .base import Measurement, MessagesLike, ToolsLike
@@ -100,6 +100,7 @@ class HFChatTemplateCounter:
         self.renders_date = "strftime_now" in sample or "date_string" in sample
         self.ignores_tools: bool | None = None  # learnt on the first count with tools
         self._lock = threading.Lock()
+        self._views: dict[int, tuple[Message, dict[str, Any], list[ContentPart]]] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._pieces = PieceCounter(backend) if backend is not None else None
         if self._pieces is not None:
@@ -155,10 +156,27 @@ class HFChatTemplateCounter:
         )
 
     # -- pieces ----------------------------------------------------------------------------------------------
-    def _view(self, conversation: Conversation) -> tuple[list[dict[str, Any]], list[Any]]:
+    def _view(self, conversation: Conversation) -> tuple[list[dict[str, Any]], list[tuple[int, ContentPart]]]:
+        """Template-ready dicts for each message, from a per-message cache (messages are immutable)."""
+        plain: list[dict[str, Any]] = []
+        media: list[tuple[int, ContentPart]] = []
+        cache = self._views
+        for index, message in enumerate(conversation):
+            entry = cache.get(id(message))
+            if entry is None or entry[0] is not message:
+                entry = (message, *self._view_one(message))
+                if len(cache) >= 65_536:
+                    cache.clear()
+                cache[id(message)] = entry  # the entry holds the message, so its id stays unique
+            plain.append(entry[1])
+            media.extend((index, part) for part in entry[2])
+        return plain, media
+
+    def _view_one(self, message: Message) -> tuple[dict[str, Any], list[ContentPart]]:
         if self.view == "raw":
-            return raw_view(conversation), []
-        return server_view(conversation, content_format=self.content_format)
+            return _template_message(message.to_dict()), []
+        data, media = server_view_message(message, content_format=self.content_format)
+        return _template_message(data), media
 
     def template_for(self, tools: Sequence[Any] | None) -> str:
         """The template source used for this call (a named ``tool_use`` template when tools are given)."""
@@ -182,7 +200,7 @@ class HFChatTemplateCounter:
         kwargs = {**self.tokenizer.special_tokens_map, **self.template_kwargs}
         try:
             return template.render(
-                messages=[_template_message(m) for m in plain],
+                messages=plain,
                 tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
