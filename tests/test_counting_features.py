@@ -26,7 +26,7 @@ def test_template_that_ignores_tools_is_reported_once(caplog: pytest.LogCaptureF
     assert with_tools.tokens == counter.count(messages)
     assert counter.ignores_tools is True
     assert any("ignores tools" in note for note in with_tools.notes)
-    assert len([r for r in caplog.records if "ignores `tools`" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "never reads `tools`" in r.getMessage()]) == 1
 
 
 def test_template_that_renders_tools_is_not_flagged() -> None:

@@ -82,6 +82,24 @@ def test_gguf_file_is_converted_once_then_cached(tmp_path: Path, monkeypatch: py
     assert first.count(tool_round()) == second.count(tool_round()) == reference.count(tool_round())
 
 
+def test_gguf_whose_model_config_fails_still_loads_its_vocabulary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Gemma 4's GGUF makes AutoTokenizer fail while building the model config (after ~45 s); inject that
+    # failure on a small GGUF so the generic vocabulary-only path runs for real.
+    import transformers
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise TypeError("num_key_value_heads: expected int, got list")
+
+    monkeypatch.setenv("CONTEXTKEEPER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    counter = ck.load_counter(str(gguf_file("phi-3")), chat_template=template("microsoft-Phi-3.5-mini-instruct"))
+    monkeypatch.undo()
+    reference = ck.load_counter(str(tokenizer_dir("phi-3")), chat_template=template("microsoft-Phi-3.5-mini-instruct"))
+    assert counter.count(tool_round()) == reference.count(tool_round())
+
+
 def test_missing_gguf_file() -> None:
     with pytest.raises(ck.TokenizerNotFound, match="does not exist"):
         ck.load_counter("/nonexistent/model.gguf")

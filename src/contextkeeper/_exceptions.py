@@ -53,7 +53,7 @@ class MessageError(ContextKeeperError, ValueError):
         where = f"message {index}: " if index is not None else ""
         text = f"{where}{message}"
         if fix:
-            text += f" Fix: {fix}"
+            text = f"{text.rstrip('.')}. Fix: {fix}"
         super().__init__(text)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jinja2
+import jinja2.meta
 import jinja2.nodes
 
 from .._exceptions import ChatTemplateError
@@ -31,7 +32,7 @@ def detect_content_format(source: str) -> Literal["string", "openai"]:
     """``"openai"`` when the template loops over a message's ``content`` (it expects a list of parts), else
     ``"string"`` — the same decision vLLM's ``--chat-template-content-format auto`` makes."""
     try:
-        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(source)
+        ast = _parse(source)
     except jinja2.TemplateSyntaxError:
         return "string"
     for loop in ast.find_all(jinja2.nodes.For):
@@ -47,6 +48,24 @@ def detect_content_format(source: str) -> Literal["string", "openai"]:
         ):
             return "openai"
     return "string"
+
+
+def _sources(templates: str | Mapping[str, str]) -> list[str]:
+    return [templates] if isinstance(templates, str) else list(templates.values())
+
+
+def _template_variables(source: str) -> frozenset[str]:
+    """Names a template reads from its context (``messages``, ``tools``, ``bos_token``, …)."""
+    try:
+        ast = _parse(source)
+    except jinja2.TemplateSyntaxError:
+        return frozenset({"tools"})  # unknown: assume it reads tools rather than claim it ignores them
+    return frozenset(jinja2.meta.find_undeclared_variables(ast))
+
+
+def _parse(source: str) -> jinja2.nodes.Template:
+    # The sandbox environment knows transformers' extra tags ({% generation %}), so parse with it.
+    return compile_template(source).environment.parse(source)
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +117,10 @@ class HFChatTemplateCounter:
         )
         self.media_cost = media_cost_for(self.name, media_cost)
         self.renders_date = "strftime_now" in sample or "date_string" in sample
-        self.ignores_tools: bool | None = None  # learnt on the first count with tools
+        # Decided from the template's source, not from one rendering: a template may read tools only in some
+        # conversations (say, when there is a system message), and then it does not ignore them.
+        self.ignores_tools = not any("tools" in _template_variables(t) for t in _sources(source))
+        self._warned_tools = False
         self._lock = threading.Lock()
         self._views: dict[int, tuple[Message, dict[str, Any], list[ContentPart]]] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -126,18 +148,13 @@ class HFChatTemplateCounter:
         tool_list = [dict(t) for t in tools] if tools else None
         text = self.render_view(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
         notes: list[str] = []
-        if tool_list and self.ignores_tools is None:
-            try:
-                without = self.render_view(plain, tools=None, add_generation_prompt=add_generation_prompt)
-            except ChatTemplateError:  # a template that cannot render without tools certainly reads them
-                without = None
-            self.ignores_tools = without == text
-            if self.ignores_tools:
-                logger.warning(
-                    "contextkeeper: the chat template of %s ignores `tools`: tool schemas cost 0 tokens "
-                    "in this template and the model never sees them",
-                    self.name,
-                )
+        if tool_list and self.ignores_tools and not self._warned_tools:
+            self._warned_tools = True
+            logger.warning(
+                "contextkeeper: the chat template of %s never reads `tools`: tool schemas cost 0 tokens in this "
+                "template and the model never sees them; describe the tools in the system prompt instead",
+                self.name,
+            )
         if tool_list and self.ignores_tools:
             notes.append("the chat template ignores tools: they cost 0 tokens and the model does not see them")
         if self.renders_date:
@@ -208,9 +225,9 @@ class HFChatTemplateCounter:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(
-                f"the chat template of {self.name} rejected these messages: {exc}. This model's template does not "
-                "accept this conversation shape; change the messages (for example merge system messages or "
-                "alternate user/assistant), or pass another chat_template.",
+                f"the chat template of {self.name} rejected these messages: {str(exc).rstrip('.!')}. This model's "
+                "template does not accept this conversation shape; change the messages (for example merge system "
+                "messages or alternate user/assistant), or pass another chat_template.",
                 template_message=str(exc),
             ) from exc
         except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:

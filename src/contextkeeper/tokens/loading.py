@@ -47,7 +47,15 @@ def _load_gguf(path: Path) -> Any:
     if (target / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(target)
     logger.info("contextkeeper: converting %s to a Hugging Face tokenizer once (cached in %s)", path, target)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:  # any failure of the model-specific path gets the generic retry
+        # AutoTokenizer also builds the model's config from the GGUF, which fails for some architectures
+        # (Gemma 4's per-layer KV-head lists in transformers 5.x) although the vocabulary itself is fine.
+        from transformers import TokenizersBackend
+
+        logger.info("contextkeeper: %s: AutoTokenizer failed (%s); loading the vocabulary alone", path, exc)
+        tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
     partial = target.with_name(target.name + ".partial")
     tokenizer.save_pretrained(partial)
     partial.replace(target)

@@ -56,7 +56,7 @@ def _resolve(name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=16)
-def load_mistral_tokenizer(name: str, *, finetuning: bool = False) -> Any:
+def load_mistral_tokenizer(name: str) -> Any:
     """Load a mistral-common ``MistralTokenizer`` by alias, shipped file name or path (cached: loads take ~1 s)."""
     try:
         from mistral_common.protocol.instruct.validator import ValidationMode
@@ -65,10 +65,22 @@ def load_mistral_tokenizer(name: str, *, finetuning: bool = False) -> Any:
         raise TokenizerNotFound(
             "mistral:<name> tokenizers need mistral-common: pip install 'contextkeeper[mistral]'"
         ) from exc
-    mode = ValidationMode.finetuning if finetuning else ValidationMode.test
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return MistralTokenizer.from_file(str(_resolve(name)), mode=mode)
+        return MistralTokenizer.from_file(str(_resolve(name)), mode=ValidationMode.test)
+
+
+def _finetuning_twin(serving: Any) -> Any:
+    """The same tokenizer with mistral-common's training-mode validator (no second ~1 s file load)."""
+    from mistral_common.protocol.instruct.validator import ValidationMode, get_validator
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    instruct = serving.instruct_tokenizer
+    return MistralTokenizer(
+        instruct,
+        validator=get_validator(instruct.tokenizer.version, mode=ValidationMode.finetuning),
+        request_normalizer=serving._instruct_request_normalizer,
+    )
 
 
 class MistralCounter:
@@ -118,7 +130,7 @@ class MistralCounter:
             # A conversation whose last turn is answered is only valid in mistral-common's training mode.
             with self._lock:
                 if self._finetuning is None:
-                    self._finetuning = load_mistral_tokenizer(self._spec, finetuning=True)
+                    self._finetuning = _finetuning_twin(self._serving)
             tokenizer = self._finetuning
         try:
             request = ChatCompletionRequest.from_openai(
