@@ -50,10 +50,6 @@ def detect_content_format(source: str) -> Literal["string", "openai"]:
     return "string"
 
 
-def _sources(templates: str | Mapping[str, str]) -> list[str]:
-    return [templates] if isinstance(templates, str) else list(templates.values())
-
-
 def _template_variables(source: str) -> frozenset[str]:
     """Names a template reads from its context (``messages``, ``tools``, ``bos_token``, …)."""
     try:
@@ -111,15 +107,16 @@ class HFChatTemplateCounter:
         self._templates: str | dict[str, str] = source
         self.template_kwargs = dict(template_kwargs or {})
         self.view: View = view
-        sample = source if isinstance(source, str) else "\n".join(source.values())
+        sources = [source] if isinstance(source, str) else list(source.values())
         self.content_format: Literal["string", "openai"] = (
-            detect_content_format(sample) if content_format == "auto" else content_format
+            detect_content_format("\n".join(sources)) if content_format == "auto" else content_format
         )
         self.media_cost = media_cost_for(self.name, media_cost)
-        self.renders_date = "strftime_now" in sample or "date_string" in sample
-        # Decided from the template's source, not from one rendering: a template may read tools only in some
-        # conversations (say, when there is a system message), and then it does not ignore them.
-        self.ignores_tools = not any("tools" in _template_variables(t) for t in _sources(source))
+        # Both decided from what the template reads, not from one rendering: a template may read tools only in
+        # some conversations (say, when there is a system message), and then it does not ignore them.
+        variables = frozenset().union(*(_template_variables(t) for t in sources))
+        self.renders_date = bool({"strftime_now", "date_string"} & variables)
+        self.ignores_tools = "tools" not in variables
         self._warned_tools = False
         self._lock = threading.Lock()
         self._views: dict[int, tuple[Message, dict[str, Any], list[ContentPart]]] = {}
