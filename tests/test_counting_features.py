@@ -212,3 +212,24 @@ def test_mistral_long_tool_ids_are_shortened_like_vllm() -> None:
 def test_unknown_mistral_name_lists_the_choices() -> None:
     with pytest.raises(ck.TokenizerNotFound, match="mistral:tekken"):
         ck.load_counter("mistral:does-not-exist")
+
+
+def test_raw_view_counts_what_transformers_renders_from_the_messages_as_given() -> None:
+    # With JSON-string arguments Qwen2.5's template writes the string itself (quoted) under transformers, and
+    # the parsed object under a server: the two views differ, and each is exact for what it claims.
+    tokenizer = hf_tokenizer("qwen2")
+    source = template("Qwen-Qwen2.5-7B-Instruct")
+    messages = tool_round()
+    raw = ck.HFChatTemplateCounter(tokenizer, chat_template=source, view="raw")
+    served = ck.HFChatTemplateCounter(tokenizer, chat_template=source)
+    reference = tokenizer.apply_chat_template(
+        ck.raw_view(messages),
+        tools=TOOLS,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        chat_template=source,
+    )
+    assert raw.count(messages, tools=TOOLS) == len(reference)
+    assert raw.count(messages, tools=TOOLS) != served.count(messages, tools=TOOLS)
+    assert '"{\\"city\\": \\"Paris\\"}"' in raw.render(messages)
