@@ -160,3 +160,31 @@ def test_piece_rule_matches_whole_text_encoding(vocab: str, data: st.DataObject)
     parts = data.draw(st.lists(st.one_of(_text, st.sampled_from(specials)), min_size=1, max_size=12))
     text = "".join(parts)
     assert pieces.count(text) == pieces.full(text)
+
+
+@pytest.mark.parametrize("vocab", ["qwen2", "llama-bpe", "phi-3"])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_counts_resumed_from_a_shared_prefix_equal_whole_text_encoding(vocab: str, data: st.DataObject) -> None:
+    """Consecutive texts that share a prefix and then diverge anywhere (inside a token or a piece)."""
+    backend = hf_tokenizer(vocab).backend_tokenizer
+    specials = [t.content for t in backend.get_added_tokens_decoder().values()][:50]
+    pieces = PieceCounter(backend)
+    token = st.sampled_from(specials)
+    base = "".join(data.draw(st.lists(st.one_of(_text, token), min_size=1, max_size=20)))
+    texts = [base]
+    for _ in range(4):
+        cut = data.draw(st.integers(0, len(texts[-1])))
+        tail = "".join(data.draw(st.lists(st.one_of(_text, token), max_size=6)))
+        texts.append(texts[-1][:cut] + tail)
+    for text in texts:
+        assert pieces.count(text) == pieces.full(text)
+
+
+def test_a_repeated_prompt_resumes_near_its_end() -> None:
+    counter = ck.HFChatTemplateCounter(hf_tokenizer("qwen2"), chat_template=template("Qwen-Qwen2.5-7B-Instruct"))
+    messages = _long_conversation(30)
+    text = counter.render(messages)
+    counter.count_text(text)
+    start, _, _ = counter._pieces._resume_point(text + "more")  # type: ignore[union-attr]
+    assert start > len(text) - 100

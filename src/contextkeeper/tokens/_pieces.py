@@ -14,6 +14,7 @@ whole text instead — slower, never wrong.
 
 from __future__ import annotations
 
+import bisect
 import re
 from typing import Any
 
@@ -53,6 +54,25 @@ def _trie_pattern(tokens: list[str]) -> str:
         return body
 
     return "(?:" + build(trie) + ")" if len(trie) else ""
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix, compared in blocks at memcmp speed."""
+    limit = min(len(a), len(b))
+    step = 1 << 16
+    low = 0
+    while low < limit and a[low : low + step] == b[low : low + step]:
+        low += step
+    if low >= limit:
+        return limit
+    high = min(low + step, limit)  # the first difference is in a[low:high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class _Splitter:
@@ -163,6 +183,13 @@ class PieceCounter:
         self._first = _Generational(1024)
         self.fast = self._split is not None and anchor is not None and not self.has_single_word
         self.encoded_chars = 0  # characters sent to the tokenizer so far: what caching saves is visible here
+        # The previous text and its checkpoints, for resuming; off when tokens swallow whitespace, since such a
+        # match has no bounded length.
+        self._longest = max((len(content) for content, _ in patterns), default=0)
+        self._resumable = all(p is None for _, p in patterns)
+        self._last = ""
+        self._bounds: list[int] = []
+        self._totals: list[int] = []
 
     # -- counting --------------------------------------------------------------------------------------------
     def full(self, text: str) -> int:
@@ -174,31 +201,60 @@ class PieceCounter:
         """Exact token count of ``text`` (no special tokens added)."""
         if not self.fast or self._split is None:
             return self.full(text)
-        parts = self._split(text)
-        total = len(parts) // 2  # one token per added-token match
+        start, base, kept = self._resume_point(text)
+        parts = self._split(text[start:] if start else text)
+        counts = [0] * len(parts)
+        counts[1::2] = [1] * (len(parts) // 2)  # one token per added-token match
         first = parts[0]
-        if first:
+        if first:  # only at offset 0: a resumed suffix starts on an added token, so its first part is ""
             cached = self._first.get(first)
             if cached is None:
                 cached = len(self._backend.encode(first, add_special_tokens=False).ids)
                 self.encoded_chars += len(first)
                 self._first.put(first, cached)
-            total += cached
-        missing: list[str] = []
+            counts[0] = cached
+        missing: list[int] = []
         after = self._after
-        for piece in parts[2::2]:
-            if not piece:
-                continue
-            cached = after.get(piece)
-            if cached is None:
-                missing.append(piece)
-            else:
-                total += cached
+        for index in range(2, len(parts), 2):
+            piece = parts[index]
+            if piece:
+                cached = after.get(piece)
+                if cached is None:
+                    missing.append(index)
+                else:
+                    counts[index] = cached
         if missing:
-            total += self._encode_new(missing)
+            lengths = self._encode_new([parts[i] for i in missing])
+            for index in missing:
+                counts[index] = lengths[parts[index]]
+        # Checkpoints at every added token (offset, tokens before it) let the next count reuse this prefix.
+        bounds, totals = self._bounds[:kept], self._totals[:kept]
+        offset, total = start, base
+        for index, part in enumerate(parts):
+            if index % 2:
+                bounds.append(offset)
+                totals.append(total)
+            offset += len(part)
+            total += counts[index]
+        if self._resumable:
+            self._last, self._bounds, self._totals = text, bounds, totals
         return total
 
-    def _encode_new(self, pieces: list[str]) -> int:
+    def _resume_point(self, text: str) -> tuple[int, int, int]:
+        """Where counting ``text`` may start: the last checkpoint of the previous text that lies wholly inside
+        the prefix both texts share — ``(offset, tokens before it, checkpoints kept)``, or zeros."""
+        last = self._last
+        if not last:
+            return 0, 0, 0
+        shared = _common_prefix(text, last)
+        # A token match that starts before the checkpoint ends within the longest token's length of it, so
+        # everything the tokenizer decided before it depends only on shared text.
+        kept = bisect.bisect_right(self._bounds, shared - self._longest)
+        if kept == 0:
+            return 0, 0, 0
+        return self._bounds[kept - 1], self._totals[kept - 1], kept - 1
+
+    def _encode_new(self, pieces: list[str]) -> dict[str, int]:
         unique = list(dict.fromkeys(pieces))
         self.encoded_chars += sum(len(p) for p in unique)
         anchor = self._anchor
@@ -207,7 +263,7 @@ class PieceCounter:
         lengths = {p: len(e.ids) - 1 for p, e in zip(unique, encodings, strict=True)}
         for piece, n in lengths.items():
             self._after.put(piece, n)
-        return sum(lengths[p] for p in pieces)
+        return lengths
 
     # -- self-check ------------------------------------------------------------------------------------------
     def verify(self, extra: tuple[str, ...] = ()) -> bool:
@@ -230,6 +286,7 @@ class PieceCounter:
         self._after.clear()
         self._first.clear()
         self.encoded_chars = 0
+        self._last, self._bounds, self._totals = "", [], []
 
     @property
     def cached_pieces(self) -> int:
