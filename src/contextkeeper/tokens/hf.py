@@ -13,6 +13,7 @@ import jinja2.nodes
 
 from .._exceptions import ChatTemplateError
 from ..messages import ContentPart, Conversation, Message, server_view_message
+from ._incremental import IncrementalRenderer, split_template
 from ._pieces import PieceCounter
 from ._sandbox import compile_template
 from .base import Measurement, MessagesLike, ToolsLike
@@ -81,7 +82,8 @@ class HFChatTemplateCounter:
     (``view="server"``: JSON-string tool arguments parsed, empty ``tool_calls`` dropped, content shaped for the
     template's content format), or left as transformers takes them (``view="raw"``). The template renders in a
     sandbox; the rendered text is counted piece by piece between special tokens, with a cache, so a new turn
-    costs its own text.
+    costs its own text. Templates whose message loop provably depends only on each message's own window are
+    rendered message by message with each output remembered (``incremental=False`` always renders whole).
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class HFChatTemplateCounter:
         content_format: ContentFormat = "auto",
         media_cost: MediaCost | None = None,
         name: str | None = None,
+        incremental: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.name = name or str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
@@ -120,6 +123,8 @@ class HFChatTemplateCounter:
         self._warned_tools = False
         self._lock = threading.Lock()
         self._views: dict[int, tuple[Message, dict[str, Any], list[ContentPart]]] = {}
+        self.incremental = incremental
+        self._renderers: dict[str, IncrementalRenderer | None] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._pieces = PieceCounter(backend) if backend is not None else None
         if self._pieces is not None:
@@ -210,16 +215,22 @@ class HFChatTemplateCounter:
         self, plain: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None, add_generation_prompt: bool
     ) -> str:
         """Render already-preprocessed message dicts with the template, in the sandbox."""
-        template = compile_template(self.template_for(tools))
-        kwargs = {**self.tokenizer.special_tokens_map, **self.template_kwargs}
+        source = self.template_for(tools)
+        template = compile_template(source)
+        context = {
+            **self.tokenizer.special_tokens_map,
+            **self.template_kwargs,
+            "messages": plain,
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if source not in self._renderers:
+            split = split_template(template, source) if self.incremental else None
+            self._renderers[source] = IncrementalRenderer(split) if split is not None else None
+        renderer = self._renderers[source]
         try:
-            return template.render(
-                messages=plain,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
+            return renderer.render(context) if renderer is not None else template.render(context)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(
                 f"the chat template of {self.name} rejected these messages: {str(exc).rstrip('.!')}. This model's "

@@ -1,0 +1,224 @@
+"""Rendering a chat template message by message, with each message's output remembered.
+
+Most chat templates are a preamble, one ``{% for message in messages %}`` loop and a closing generation
+prompt. When the loop body can only see its own message, its neighbours at fixed offsets, its position and
+whether it is last — and nothing carries over from one iteration to the next — the rendered prompt is the
+preamble, then each message's body output, then the ending; a body output can be remembered and reused as long
+as those inputs are the same objects. :func:`split_template` proves that shape from the template's syntax tree
+(refusing anything it cannot prove: namespace writes in the loop, ``loop.length``, filtered loops, loops over
+anything but ``messages``, dates inside the loop, …); templates it refuses are rendered whole, as before.
+The equivalence is checked against whole renders over all the templates the tests fetch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import Template, nodes
+
+__all__ = ["IncrementalRenderer", "LoopState", "SplitTemplate", "split_template"]
+
+# What the loop body may ask of ``loop``; the others (length, revindex, cycle, changed, previtem, nextitem) need
+# the whole list or the previous iteration.
+_LOOP_ATTRIBUTES = frozenset({"index0", "index", "first", "last"})
+# Calls whose result is not a function of the inputs.
+_IMPURE = frozenset({"strftime_now", "range", "cycler", "joiner", "namespace"})
+
+
+class LoopState:
+    """The ``loop`` variable for one iteration of a split template's loop (index and position only)."""
+
+    __slots__ = ("first", "index", "index0", "last")
+
+    def __init__(self, index0: int, length: int) -> None:
+        self.index0 = index0
+        self.index = index0 + 1
+        self.first = index0 == 0
+        self.last = index0 == length - 1
+
+
+@dataclass(frozen=True)
+class SplitTemplate:
+    """A template cut into the part before its message loop, the loop body, and the part after it."""
+
+    head: Template
+    body: Template
+    tail: Template
+    target: str  # the loop variable's name
+    reach: int  # how far the body looks at neighbours: messages[loop.index0 ± reach]
+
+
+def _walk(root: nodes.Node) -> Iterator[nodes.Node]:
+    """Every node below ``root``."""
+    return root.find_all(nodes.Node)
+
+
+def _parents(root: nodes.Node) -> dict[int, nodes.Node]:
+    out: dict[int, nodes.Node] = {}
+
+    def visit(node: nodes.Node) -> None:
+        for child in node.iter_child_nodes():
+            out[id(child)] = node
+            visit(child)
+
+    visit(root)
+    return out
+
+
+def _neighbour_offset(index: nodes.Node) -> int | None:
+    """The constant c of ``loop.index0``, ``loop.index0 + c`` or ``loop.index0 - c``; None for anything else."""
+
+    def is_index0(node: nodes.Node) -> bool:
+        return (
+            isinstance(node, nodes.Getattr)
+            and node.attr == "index0"
+            and isinstance(node.node, nodes.Name)
+            and node.node.name == "loop"
+        )
+
+    if is_index0(index):
+        return 0
+    if isinstance(index, (nodes.Add, nodes.Sub)) and is_index0(index.left) and isinstance(index.right, nodes.Const):
+        value = index.right.value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value if isinstance(index, nodes.Add) else -value
+    return None
+
+
+def _body_reach(body: nodes.Node, parents: dict[int, nodes.Node]) -> int | None:
+    """How far the body looks at neighbours, if it reads ``messages`` only as ``messages[loop.index0 ± c]``."""
+    reach = 0
+    for node in _walk(body):
+        if not (isinstance(node, nodes.Name) and node.name == "messages" and node.ctx == "load"):
+            continue
+        parent = parents.get(id(node))
+        if not isinstance(parent, nodes.Getitem) or parent.node is not node:
+            return None
+        offset = _neighbour_offset(parent.arg)
+        if offset is None:
+            return None
+        reach = max(reach, abs(offset))
+    return reach
+
+
+def split_template(template: Template, source: str) -> SplitTemplate | None:
+    """Cut ``source`` at its message loop when the loop body provably depends only on its own window."""
+    env = template.environment
+    try:
+        ast = env.parse(source)
+    except Exception:  # a template that does not parse here is rendered whole (and fails there, clearly)
+        return None
+    loops = [
+        i
+        for i, node in enumerate(ast.body)
+        if isinstance(node, nodes.For) and isinstance(node.iter, nodes.Name) and node.iter.name == "messages"
+    ]
+    if len(loops) != 1:
+        return None
+    position = loops[0]
+    loop = ast.body[position]
+    assert isinstance(loop, nodes.For)
+    if loop.test is not None or loop.else_ or loop.recursive or not isinstance(loop.target, nodes.Name):
+        return None
+    head_nodes, tail_nodes = ast.body[:position], ast.body[position + 1 :]
+    body_root = nodes.Template(list(loop.body), lineno=loop.lineno)
+    head_root = nodes.Template(list(head_nodes), lineno=1)
+    tail_root = nodes.Template(list(tail_nodes), lineno=1)
+    parents = _parents(ast)
+
+    # The head and the tail are rendered afresh on every call, so they may read anything; what the head leaves
+    # for the body (its output and variables) is part of the key under which body outputs are remembered.
+    reach = _body_reach(body_root, parents)
+    if reach is None:
+        return None
+    for inner in _walk(body_root):
+        # Inside a nested loop, ``loop`` is that loop's: a messages[loop.index0 + c] there is no neighbour.
+        if isinstance(inner, nodes.For) and any(
+            isinstance(n, nodes.Name) and n.name == "messages" for n in _walk(inner)
+        ):
+            return None
+    for node in _walk(body_root):
+        if isinstance(node, (nodes.Macro, nodes.CallBlock, nodes.Break, nodes.Continue, nodes.Extends)):
+            return None
+        if isinstance(node, (nodes.Include, nodes.Import, nodes.FromImport, nodes.Block)):
+            return None
+        if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.NSRef):
+            return None  # a namespace write carries state from one message to the next
+        if isinstance(node, nodes.Name) and node.name in _IMPURE:
+            return None
+        if isinstance(node, nodes.Name) and node.name == "loop":
+            parent = parents.get(id(node))
+            if not (isinstance(parent, nodes.Getattr) and parent.attr in _LOOP_ATTRIBUTES):
+                return None
+        if isinstance(node, nodes.ExprStmt) and any(isinstance(n, nodes.Call) for n in _walk(node)):
+            return None  # {% do x.append(...) %}: a side effect the sandbox may or may not refuse
+    try:
+        head = env.from_string(head_root)
+        body = env.from_string(body_root)
+        tail = env.from_string(tail_root)
+    except Exception:
+        return None
+    return SplitTemplate(head=head, body=body, tail=tail, target=loop.target.name, reach=reach)
+
+
+class IncrementalRenderer:
+    """Renders a split template, reusing each message's body output while its window is unchanged."""
+
+    def __init__(self, split: SplitTemplate, *, limit: int = 200_000, generations: int = 4) -> None:
+        self.split = split
+        self._limit = limit
+        self._generations = generations
+        # One memo per generation (what the head leaves for the body), newest last: a caller that alternates
+        # between, say, counting with and without tools keeps both.
+        self._memos: dict[Any, dict[tuple[int, bool], tuple[tuple[Any, ...], str]]] = {}
+        self._lock = threading.Lock()  # a memo and its generation change together
+        self.reused = 0
+
+    def render(self, context: dict[str, Any]) -> str:
+        """The same text as rendering the whole template with ``context``."""
+        with self._lock:
+            return self._render(context)
+
+    def _render(self, context: dict[str, Any]) -> str:
+        split = self.split
+        module = split.head.make_module(context)
+        head_text = str(module)
+        exported = {k: v for k, v in vars(module).items() if not k.startswith("_")}
+        scope = {**context, **exported}
+        messages = scope["messages"]
+        # Anything the body can read besides its window: the head's output and variables, and the call's context.
+        # Macros are left out: they are code from the template itself, recreated (new objects) on every render.
+        generation = (
+            head_text,
+            repr(sorted((k, repr(v)) for k, v in scope.items() if k != "messages" and not callable(v))),
+        )
+        memo = self._memos.pop(generation, None)
+        if memo is None or len(memo) > self._limit:
+            memo = {}
+        self._memos[generation] = memo
+        while len(self._memos) > self._generations:
+            del self._memos[next(iter(self._memos))]
+        reach = split.reach
+        count = len(messages)
+        parts = [head_text]
+        body = split.body
+        for index, message in enumerate(messages):
+            window = tuple(messages[max(0, index - reach) : index + reach + 1])
+            key = (index, index == count - 1)
+            known = memo.get(key)
+            if (
+                known is not None
+                and len(known[0]) == len(window)
+                and all(a is b for a, b in zip(known[0], window, strict=True))
+            ):
+                parts.append(known[1])
+                self.reused += 1
+                continue
+            text = body.render({**scope, split.target: message, "loop": LoopState(index, count)})
+            memo[key] = (window, text)
+            parts.append(text)
+        parts.append(split.tail.render(scope))
+        return "".join(parts)

@@ -1,0 +1,79 @@
+"""Message-by-message rendering: for every vendored template it accepts, the text equals a whole render, over
+many conversation shapes and edit sequences; templates it cannot prove safe are refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import contextkeeper as ck
+from assets import ASSETS, template
+from conftest import hf_tokenizer
+from contextkeeper.tokens._incremental import split_template
+from contextkeeper.tokens._sandbox import compile_template
+from conversations import CONVERSATIONS, TOOLS, call
+
+ALL_TEMPLATES = sorted(p.stem for p in (ASSETS / "templates").glob("*.jinja")) if ASSETS.exists() else []
+SPLITTABLE = [name for name in ALL_TEMPLATES if split_template(compile_template(template(name)), template(name))]
+
+
+def _edits(base: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A chat as it grows, shrinks and changes: appended turns, dropped oldest turns, a rewritten tool result."""
+    steps = [base]
+    grown = [*base, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Next question?"}]
+    steps.append(grown)
+    tool_turn = [
+        *grown,
+        {"role": "assistant", "content": None, "tool_calls": [call("z9y8x7w6v", "run_sql", sql="SELECT 1")]},
+        {"role": "tool", "tool_call_id": "z9y8x7w6v", "content": "1"},
+    ]
+    steps.append(tool_turn)
+    steps.append([*tool_turn, {"role": "assistant", "content": "One."}, {"role": "user", "content": "Thanks!"}])
+    first_user = next(i for i, m in enumerate(steps[-1]) if m["role"] == "user")
+    later_user = [i for i, m in enumerate(steps[-1]) if m["role"] == "user" and i > first_user]
+    if later_user:  # drop the oldest turn, keep the system prompt
+        steps.append(steps[-1][:first_user] + steps[-1][later_user[0] :])
+    rewritten = [dict(m) for m in steps[-1]]
+    for m in rewritten:
+        if m["role"] == "tool":
+            m["content"] = "[cleared]"
+    steps.append(rewritten)
+    return steps
+
+
+def test_the_popular_templates_are_split() -> None:
+    for name in ("Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "meta-llama-Llama-3.3-70B-Instruct"):
+        assert name in SPLITTABLE, name
+
+
+def test_templates_with_cross_message_state_are_refused() -> None:
+    writes_state = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}"
+    uses_length = "{% for m in messages %}{{ loop.length }}{{ m.content }}{% endfor %}"
+    far_reads = "{% for m in messages %}{{ messages[-1].content }}{% endfor %}"
+    filtered = "{% for m in messages if m.role != 'system' %}{{ loop.index }}{% endfor %}"
+    for source in (writes_state, uses_length, far_reads, filtered):
+        assert split_template(compile_template(source), source) is None, source
+
+
+@pytest.mark.parametrize("name", SPLITTABLE)
+def test_incremental_render_equals_whole_render(name: str) -> None:
+    tokenizer = hf_tokenizer("qwen2")
+    source = template(name)
+    fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name)
+    whole = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name, incremental=False)
+    compared = 0
+    for shape in CONVERSATIONS.values():
+        for messages in _edits(shape()):
+            for tools in (None, TOOLS):
+                try:
+                    expected = whole.render(messages, tools=tools)
+                except ck.ChatTemplateError:
+                    with pytest.raises(ck.ChatTemplateError):
+                        fast.render(messages, tools=tools)
+                    continue
+                assert fast.render(messages, tools=tools) == expected, (name, len(messages), tools is not None)
+                compared += 1
+    assert compared > 0
+    renderer = next(r for r in fast._renderers.values() if r is not None)
+    assert renderer.reused > 0  # outputs were really taken from the memo, not rendered again
