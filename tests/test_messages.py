@@ -834,3 +834,47 @@ def test_raw_view_only_drops_top_level_none() -> None:
     assert messages == before
     view[1]["content"][0]["text"] = "changed"
     assert messages == before
+
+
+# -------------------------------------------------------------------------------- validating a grown chat
+
+
+def test_previous_conversation_is_extended_not_revalidated() -> None:
+    history: list[dict[str, Any]] = [SYSTEM, USER, {"role": "assistant", "content": "hello"}]
+    first = Conversation.from_messages(history)
+    grown = [*history, {"role": "user", "content": "again"}]
+    second = Conversation.from_messages(grown, previous=first)
+    assert second.messages[:3] == first.messages
+    assert all(a is b for a, b in zip(second.messages, first.messages, strict=False))  # the same objects
+    assert second.units() == Conversation.from_messages(grown).units()
+
+
+def test_previous_pending_calls_are_regrouped_with_their_new_results() -> None:
+    pending = [USER, {"role": "assistant", "content": None, "tool_calls": [openai_call("c1"), openai_call("c2")]}]
+    first = Conversation.from_messages(pending)
+    answered = [*pending, tool("18C", "c1"), tool("4C", "c2"), {"role": "user", "content": "thanks"}]
+    second = Conversation.from_messages(answered, previous=first)
+    assert [(u.kind, u.start, u.stop) for u in second.units()] == [("user", 0, 1), ("assistant", 1, 4), ("user", 4, 5)]
+    with pytest.raises(MissingToolResult) as info:  # one result missing before the next turn
+        Conversation.from_messages([*pending, tool("18C", "c1"), {"role": "user", "content": "x"}], previous=first)
+    assert info.value.index == 1
+
+
+def test_previous_is_not_trusted_when_a_message_was_edited_in_place() -> None:
+    history: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "hi"}]
+    first = Conversation.from_messages(history)
+    history[1]["content"] = 42  # now invalid: must be noticed, not reused
+    with pytest.raises(InvalidMessage) as info:
+        Conversation.from_messages(history, previous=first)
+    assert info.value.index == 1
+    history[1]["content"] = "changed"
+    again = Conversation.from_messages(history, previous=first)
+    assert again[1].content == "changed"
+
+
+def test_new_messages_errors_carry_absolute_indices() -> None:
+    history: list[dict[str, Any]] = [SYSTEM, USER, {"role": "assistant", "content": "a"}]
+    first = Conversation.from_messages(history)
+    with pytest.raises(OrphanToolResult) as info:
+        Conversation.from_messages([*history, tool("x", "nope")], previous=first)
+    assert info.value.index == 3

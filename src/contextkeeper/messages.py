@@ -431,14 +431,14 @@ class _ParseMemo:
         self._new: dict[int, tuple[object, dict[str, Any], Message]] = {}
         self._old: dict[int, tuple[object, dict[str, Any], Message]] = {}
 
-    def get(self, item: object) -> Message | None:
+    def get(self, item: object) -> tuple[Message, dict[str, Any]] | None:
         key = id(item)
         entry = self._new.get(key) or self._old.get(key)
         if entry is None or entry[0] is not item or entry[1] != item:
             return None
         if key not in self._new:
             self.put(item, entry[1], entry[2])
-        return entry[2]
+        return entry[2], entry[1]
 
     def put(self, item: object, snapshot: dict[str, Any], message: Message) -> None:
         if len(self._new) >= self._limit:
@@ -450,14 +450,16 @@ class _ParseMemo:
 _MEMO = _ParseMemo()
 
 
-def _parse_message(item: object, index: int | None) -> tuple[Message, _InputFormat]:
+def _parse_message(item: object, index: int | None) -> tuple[Message, _InputFormat, object]:
+    """The validated message, the input's format, and what a later call can compare the input with to know it
+    is unchanged (a deep copy of a dict, the Message itself; None when there is nothing cheap to compare)."""
     if isinstance(item, Message):
-        return item, "message"
+        return item, "message", item
     fmt: _InputFormat
     if type(item) is dict:
         known = _MEMO.get(item)
         if known is not None:
-            return known, "dict"
+            return known[0], "dict", known[1]
         snapshot = copy.deepcopy(item)
         try:
             message = Message.model_validate(copy.deepcopy(snapshot))
@@ -465,7 +467,7 @@ def _parse_message(item: object, index: int | None) -> tuple[Message, _InputForm
             text, fix = _describe(exc)
             raise InvalidMessage(text, index=index, fix=fix) from None
         _MEMO.put(item, snapshot, message)
-        return message, "dict"
+        return message, "dict", snapshot
     if isinstance(item, Mapping):
         data: Any = copy.deepcopy(dict(item))
         fmt = "dict"
@@ -489,7 +491,7 @@ def _parse_message(item: object, index: int | None) -> tuple[Message, _InputForm
             fix="pass the message as a dict",
         )
     try:
-        return Message.model_validate(data), fmt
+        return Message.model_validate(data), fmt, None
     except ValidationError as exc:
         text, fix = _describe(exc)
         raise InvalidMessage(text, index=index, fix=fix) from None
@@ -568,11 +570,12 @@ def _describe_call(call: ToolCall, position: int) -> str:
     return f"tool_calls[{position}] ({call.function.name!r}{ident})"
 
 
-def _group_units(messages: Sequence[Message]) -> tuple[Unit, ...]:
-    """Check the tool call / tool result structure and group the messages into units."""
+def _group_units(messages: Sequence[Message], start: int = 0) -> tuple[Unit, ...]:
+    """Check the tool call / tool result structure and group ``messages[start:]`` into units (``start`` must
+    begin a unit)."""
     units: list[Unit] = []
     count = len(messages)
-    i = 0
+    i = start
     while i < count:
         message = messages[i]
         if message.role == "tool":
@@ -661,17 +664,20 @@ class Conversation(Sequence[Message]):
     conversation moves on (pending calls are allowed only in the final unit).
     """
 
-    __slots__ = ("_formats", "_messages", "_sources", "_units")
+    __slots__ = ("_checks", "_formats", "_messages", "_sources", "_units")
 
     _messages: tuple[Message, ...]
     _formats: tuple[_InputFormat, ...]
     _sources: tuple[object, ...]
     _units: tuple[Unit, ...]
+    _checks: tuple[object, ...] | None
 
-    def __init__(self, messages: Sequence[MessageLike] | Conversation = ()) -> None:
+    def __init__(
+        self, messages: Sequence[MessageLike] | Conversation = (), *, previous: Conversation | None = None
+    ) -> None:
         """Same as :meth:`from_messages`."""
         if isinstance(messages, Conversation):
-            self._set(messages._messages, messages._formats, messages._sources, messages._units)
+            self._set(messages._messages, messages._formats, messages._sources, messages._units, messages._checks)
             return
         if not isinstance(messages, (list, tuple)):
             raise MessageError(
@@ -679,14 +685,26 @@ class Conversation(Sequence[Message]):
                 index=None,
                 fix="pass a list such as [{'role': 'user', 'content': '...'}] (a single message in a list)",
             )
+        start = _unchanged_prefix(messages, previous)
         parsed: list[Message] = []
         formats: list[_InputFormat] = []
-        for index, item in enumerate(messages):
-            message, fmt = _parse_message(item, index)
+        checks: list[object] = []
+        regroup_from = 0
+        if start and previous is not None and previous._checks is not None:
+            parsed, formats, checks = list(previous._messages), list(previous._formats), list(previous._checks)
+            # The previous last unit may grow (more tool results) or now need its results: group it again.
+            regroup_from = previous._units[-1].start
+        for index in range(start, len(messages)):
+            message, fmt, check = _parse_message(messages[index], index)
             parsed.append(message)
             formats.append(fmt)
+            checks.append(check)
         built = tuple(parsed)
-        self._set(built, tuple(formats), tuple(messages), _group_units(built))
+        units = _group_units(built, regroup_from)
+        if regroup_from and previous is not None:
+            units = previous._units[:-1] + units
+        complete = None if any(check is None for check in checks) else tuple(checks)
+        self._set(built, tuple(formats), tuple(messages), units, complete)
 
     def _set(
         self,
@@ -694,6 +712,7 @@ class Conversation(Sequence[Message]):
         formats: tuple[_InputFormat, ...],
         sources: tuple[object, ...],
         units: tuple[Unit, ...],
+        checks: tuple[object, ...] | None = None,
     ) -> None:
         object.__setattr__(self, "_messages", messages)
         object.__setattr__(self, "_formats", formats)
@@ -701,6 +720,8 @@ class Conversation(Sequence[Message]):
         kept = tuple(src if fmt == "object" else None for src, fmt in zip(sources, formats, strict=True))
         object.__setattr__(self, "_sources", kept)
         object.__setattr__(self, "_units", units)
+        # What each input compares equal to while unchanged (copies of dicts), for from_messages(previous=...).
+        object.__setattr__(self, "_checks", checks)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Conversation is immutable")
@@ -715,16 +736,22 @@ class Conversation(Sequence[Message]):
         return (_restore_conversation, (self._messages, self._formats, self._sources, self._units))
 
     @classmethod
-    def from_messages(cls, messages: Sequence[MessageLike] | Conversation) -> Conversation:
+    def from_messages(
+        cls, messages: Sequence[MessageLike] | Conversation, *, previous: Conversation | None = None
+    ) -> Conversation:
         """Validate a list of messages (dicts, :class:`Message` objects, objects with ``model_dump()``).
 
         The caller's list and dicts are never changed. Raises :class:`MessageError` (``index`` None) for a
         non-list, and :class:`InvalidMessage`, :class:`OrphanToolResult` or :class:`MissingToolResult` with
         the offending message's ``index``.
+
+        ``previous``: the conversation built from an earlier state of the same chat. When ``messages`` starts
+        with exactly what it was built from (compared by value, so edits in place are noticed), only the rest
+        is validated.
         """
         if isinstance(messages, Conversation):
             return messages
-        return cls(messages)
+        return cls(messages, previous=previous)
 
     @overload
     def __getitem__(self, index: int) -> Message: ...
@@ -791,6 +818,17 @@ class Conversation(Sequence[Message]):
             tuple(self._sources[index] for index in chosen),
             _group_units(messages),
         )
+
+
+def _unchanged_prefix(messages: Sequence[MessageLike], previous: Conversation | None) -> int:
+    """len(previous) when ``messages`` begins with the very inputs ``previous`` was validated from, else 0."""
+    if previous is None or previous._checks is None or not previous._messages:
+        return 0
+    size = len(previous._messages)
+    if len(messages) < size:
+        return 0
+    # One C-level comparison: identical strings inside make it cheap, and a dict changed in place fails it.
+    return size if list(messages[:size]) == list(previous._checks) else 0
 
 
 def _restore_conversation(

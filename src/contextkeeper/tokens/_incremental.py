@@ -164,6 +164,21 @@ def split_template(template: Template, source: str) -> SplitTemplate | None:
     return SplitTemplate(head=head, body=body, tail=tail, target=loop.target.name, reach=reach)
 
 
+def _shared_prefix(a: list[Any], b: list[Any]) -> int:
+    """Length of the longest common prefix of two lists (element equality; identity short-cuts it)."""
+    limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:  # the usual case, a conversation that grew: one C-level comparison
+        return limit
+    low, high = 0, limit - 1  # a[:low] == b[:low] holds, a[:high + 1] == b[:high + 1] does not
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 class IncrementalRenderer:
     """Renders a split template, reusing each message's body output while its window is unchanged."""
 
@@ -174,6 +189,7 @@ class IncrementalRenderer:
         # One memo per generation (what the head leaves for the body), newest last: a caller that alternates
         # between, say, counting with and without tools keeps both.
         self._memos: dict[Any, dict[tuple[int, bool], tuple[tuple[Any, ...], str]]] = {}
+        self._previous: dict[Any, tuple[list[Any], list[str]]] = {}  # per generation: last messages, outputs
         self._lock = threading.Lock()  # a memo and its generation change together
         self.reused = 0
 
@@ -203,9 +219,24 @@ class IncrementalRenderer:
             del self._memos[next(iter(self._memos))]
         reach = split.reach
         count = len(messages)
-        parts = [head_text]
         body = split.body
-        for index, message in enumerate(messages):
+        # Whole-prefix reuse first: outputs of the previous call under this generation whose window lies inside
+        # the prefix the two lists share (compared in C; identical objects compare instantly) and whose "last"
+        # flag is unchanged. Equal messages render equally, so equality is enough here.
+        previous = self._previous.get(generation)
+        texts: list[str] = []
+        if previous is not None:
+            last_messages, last_texts = previous
+            shared = _shared_prefix(messages, last_messages)
+            reuse = max(0, shared - reach)
+            old_last = len(last_messages) - 1
+            for flag_index in (old_last, count - 1):  # the only places where loop.last can differ
+                if flag_index < reuse and (flag_index == old_last) != (flag_index == count - 1):
+                    reuse = flag_index
+            texts = last_texts[:reuse]
+            self.reused += reuse
+        for index in range(len(texts), count):
+            message = messages[index]
             window = tuple(messages[max(0, index - reach) : index + reach + 1])
             key = (index, index == count - 1)
             known = memo.get(key)
@@ -214,11 +245,13 @@ class IncrementalRenderer:
                 and len(known[0]) == len(window)
                 and all(a is b for a, b in zip(known[0], window, strict=True))
             ):
-                parts.append(known[1])
+                texts.append(known[1])
                 self.reused += 1
                 continue
             text = body.render({**scope, split.target: message, "loop": LoopState(index, count)})
             memo[key] = (window, text)
-            parts.append(text)
-        parts.append(split.tail.render(scope))
-        return "".join(parts)
+            texts.append(text)
+        self._previous[generation] = (list(messages), texts)
+        while len(self._previous) > self._generations:
+            del self._previous[next(iter(self._previous))]
+        return head_text + "".join(texts) + split.tail.render(scope)

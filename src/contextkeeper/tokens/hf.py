@@ -123,6 +123,8 @@ class HFChatTemplateCounter:
         self._warned_tools = False
         self._lock = threading.Lock()
         self._views: dict[int, tuple[Message, dict[str, Any], list[ContentPart]]] = {}
+        self._last_view: tuple[tuple[Message, ...], list[dict[str, Any]], list[tuple[int, ContentPart]]] = ((), [], [])
+        self._last_conversation: Conversation | None = None
         self.incremental = incremental
         self._renderers: dict[str, IncrementalRenderer | None] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -145,7 +147,7 @@ class HFChatTemplateCounter:
         self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
     ) -> Measurement:
         """Count ``messages`` and ``tools`` and say what the count is made of."""
-        conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
+        conversation = self._conversation(messages)
         plain, media = self._view(conversation)
         tool_list = [dict(t) for t in tools] if tools else None
         text = self.render_view(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
@@ -175,12 +177,30 @@ class HFChatTemplateCounter:
         )
 
     # -- pieces ----------------------------------------------------------------------------------------------
+    def _conversation(self, messages: MessagesLike) -> Conversation:
+        """Validate, re-validating only what is new since the previous call (a chat that grew)."""
+        if isinstance(messages, Conversation):
+            return messages
+        conversation = Conversation.from_messages(messages, previous=self._last_conversation)
+        self._last_conversation = conversation
+        return conversation
+
     def _view(self, conversation: Conversation) -> tuple[list[dict[str, Any]], list[tuple[int, ContentPart]]]:
         """Template-ready dicts for each message, from a per-message cache (messages are immutable)."""
         plain: list[dict[str, Any]] = []
         media: list[tuple[int, ContentPart]] = []
         cache = self._views
-        for index, message in enumerate(conversation):
+        messages = conversation.messages
+        last_messages, last_plain, last_media = self._last_view
+        start = 0
+        # A conversation that grew shares its validated Message objects with the previous call: take their views
+        # in one step (a C-level tuple comparison) instead of one cache look-up per message.
+        if len(messages) >= len(last_messages) and messages[: len(last_messages)] == last_messages:
+            start = len(last_messages)
+            plain = list(last_plain)
+            media = list(last_media)
+        for index in range(start, len(messages)):
+            message = messages[index]
             entry = cache.get(id(message))
             if entry is None or entry[0] is not message:
                 entry = (message, *self._view_one(message))
@@ -189,6 +209,7 @@ class HFChatTemplateCounter:
                 cache[id(message)] = entry  # the entry holds the message, so its id stays unique
             plain.append(entry[1])
             media.extend((index, part) for part in entry[2])
+        self._last_view = (messages, plain, media)
         return plain, media
 
     def _view_one(self, message: Message) -> tuple[dict[str, Any], list[ContentPart]]:
@@ -247,7 +268,7 @@ class HFChatTemplateCounter:
 
     def render(self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True) -> str:
         """The prompt text the template produces for ``messages`` (after the configured preprocessing)."""
-        conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
+        conversation = self._conversation(messages)
         plain, _ = self._view(conversation)
         return self.render_view(
             plain,
