@@ -77,3 +77,19 @@ def test_incremental_render_equals_whole_render(name: str) -> None:
     assert compared > 0
     renderer = next(r for r in fast._renderers.values() if r is not None)
     assert renderer.reused > 0  # outputs were really taken from the memo, not rendered again
+
+
+def test_a_first_message_that_reads_the_wrapped_around_neighbour() -> None:
+    # messages[loop.index0 - 1] at index 0 is messages[-1], the list's last message, which changes as the
+    # chat grows: the first body must not be reused when only the end of the list changed.
+    source = "{% for m in messages %}[{{ m.content }}<{{ messages[loop.index0 - 1].content }}]{% endfor %}"
+    tokenizer = hf_tokenizer("qwen2")
+    fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source)
+    whole = ck.HFChatTemplateCounter(tokenizer, chat_template=source, incremental=False)
+    chat: list[dict[str, Any]] = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    for step in range(4):
+        chat = [*chat, {"role": "user", "content": f"u{step}"}]
+        assert fast.render(chat) == whole.render(chat)
+        chat = [*chat, {"role": "assistant", "content": f"r{step}"}]
+        assert fast.render(chat) == whole.render(chat)
+    assert split_template(compile_template(source), source) is not None

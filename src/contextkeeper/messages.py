@@ -703,7 +703,7 @@ class Conversation(Sequence[Message]):
         units = _group_units(built, regroup_from)
         if regroup_from and previous is not None:
             units = previous._units[:-1] + units
-        complete = None if any(check is None for check in checks) else tuple(checks)
+        complete = None if None in checks else tuple(checks)
         self._set(built, tuple(formats), tuple(messages), units, complete)
 
     def _set(
@@ -717,7 +717,10 @@ class Conversation(Sequence[Message]):
         object.__setattr__(self, "_messages", messages)
         object.__setattr__(self, "_formats", formats)
         # Kept only to hand foreign objects (e.g. openai SDK messages) back as themselves.
-        kept = tuple(src if fmt == "object" else None for src, fmt in zip(sources, formats, strict=True))
+        if "object" in formats:
+            kept = tuple(src if fmt == "object" else None for src, fmt in zip(sources, formats, strict=True))
+        else:
+            kept = (None,) * len(formats)
         object.__setattr__(self, "_sources", kept)
         object.__setattr__(self, "_units", units)
         # What each input compares equal to while unchanged (copies of dicts), for from_messages(previous=...).

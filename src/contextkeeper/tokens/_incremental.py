@@ -164,6 +164,18 @@ def split_template(template: Template, source: str) -> SplitTemplate | None:
     return SplitTemplate(head=head, body=body, tail=tail, target=loop.target.name, reach=reach)
 
 
+_OUTSIDE = object()  # a neighbour index past the end: the template sees Undefined there
+
+
+def _window(messages: list[Any], index: int, reach: int) -> tuple[Any, ...]:
+    """The messages the body at ``index`` can read, as Jinja indexes a list: negative indices wrap around."""
+    count = len(messages)
+    return tuple(
+        messages[position] if -count <= position < count else _OUTSIDE
+        for position in range(index - reach, index + reach + 1)
+    )
+
+
 def _shared_prefix(a: list[Any], b: list[Any]) -> int:
     """Length of the longest common prefix of two lists (element equality; identity short-cuts it)."""
     limit = min(len(a), len(b))
@@ -189,14 +201,26 @@ class IncrementalRenderer:
         # One memo per generation (what the head leaves for the body), newest last: a caller that alternates
         # between, say, counting with and without tools keeps both.
         self._memos: dict[Any, dict[tuple[int, bool], tuple[tuple[Any, ...], str]]] = {}
-        self._previous: dict[Any, tuple[list[Any], list[str]]] = {}  # per generation: last messages, outputs
+        # Per generation: the last call's messages, body outputs and serial number.
+        self._previous: dict[Any, tuple[list[Any], list[str], int]] = {}
+        self._serial = 0
+        # After each render: (serial of this render, serial of the render it reused from or -1, length of the
+        # text prefix guaranteed equal to that render's text).
+        self.last_reuse: tuple[int, int, int] = (0, -1, 0)
         self._lock = threading.Lock()  # a memo and its generation change together
         self.reused = 0
 
     def render(self, context: dict[str, Any]) -> str:
         """The same text as rendering the whole template with ``context``."""
+        return self.render_with_lineage(context)[0]
+
+    def render_with_lineage(self, context: dict[str, Any]) -> tuple[str, tuple[Any, Any, int]]:
+        """The text, and ``(its id, the id of the earlier render it reused, n)``: ``text[:n]`` equals that
+        earlier render's beginning (see ``PieceCounter.count``)."""
         with self._lock:
-            return self._render(context)
+            text = self._render(context)
+            serial, based_on, stable = self.last_reuse
+            return text, ((id(self), serial), (id(self), based_on) if based_on >= 0 else None, stable)
 
     def _render(self, context: dict[str, Any]) -> str:
         split = self.split
@@ -225,19 +249,27 @@ class IncrementalRenderer:
         # flag is unchanged. Equal messages render equally, so equality is enough here.
         previous = self._previous.get(generation)
         texts: list[str] = []
+        based_on = -1
+        reuse_from, reuse_to = 0, 0
+        last_texts: list[str] = []
         if previous is not None:
-            last_messages, last_texts = previous
+            last_messages, last_texts, based_on = previous
             shared = _shared_prefix(messages, last_messages)
-            reuse = max(0, shared - reach)
+            # Bodies before ``reach`` may read messages[-1]... (Python indexing wraps), the list's changing end,
+            # so they go through the per-message path below; the rest of the shared prefix is taken whole.
+            reuse_from, reuse_to = reach, max(reach, shared - reach)
             old_last = len(last_messages) - 1
             for flag_index in (old_last, count - 1):  # the only places where loop.last can differ
-                if flag_index < reuse and (flag_index == old_last) != (flag_index == count - 1):
-                    reuse = flag_index
-            texts = last_texts[:reuse]
-            self.reused += reuse
-        for index in range(len(texts), count):
-            message = messages[index]
-            window = tuple(messages[max(0, index - reach) : index + reach + 1])
+                if reuse_from <= flag_index < reuse_to and (flag_index == old_last) != (flag_index == count - 1):
+                    reuse_to = flag_index
+        index = 0
+        while index < count:
+            if index == reuse_from and reuse_to > reuse_from:
+                texts.extend(last_texts[reuse_from:reuse_to])
+                self.reused += reuse_to - reuse_from
+                index = reuse_to
+                continue
+            window = _window(messages, index, reach)
             key = (index, index == count - 1)
             known = memo.get(key)
             if (
@@ -247,11 +279,23 @@ class IncrementalRenderer:
             ):
                 texts.append(known[1])
                 self.reused += 1
-                continue
-            text = body.render({**scope, split.target: message, "loop": LoopState(index, count)})
-            memo[key] = (window, text)
-            texts.append(text)
-        self._previous[generation] = (list(messages), texts)
+            else:
+                text = body.render({**scope, split.target: messages[index], "loop": LoopState(index, count)})
+                memo[key] = (window, text)
+                texts.append(text)
+            index += 1
+        # How far this render's text provably equals the previous one's: identical body outputs in order.
+        reused_prefix = 0
+        if previous is not None:
+            limit = min(len(texts), len(last_texts), reuse_from)
+            while reused_prefix < limit and texts[reused_prefix] == last_texts[reused_prefix]:
+                reused_prefix += 1
+            if reused_prefix == reuse_from and reuse_to > reuse_from:
+                reused_prefix = reuse_to
+        self._serial += 1
+        stable = len(head_text) + sum(map(len, texts[:reused_prefix]))
+        self.last_reuse = (self._serial, based_on, stable)
+        self._previous[generation] = (list(messages), texts, self._serial)
         while len(self._previous) > self._generations:
             del self._previous[next(iter(self._previous))]
-        return head_text + "".join(texts) + split.tail.render(scope)
+        return "".join([head_text, *texts, split.tail.render(scope)])  # one copy of the (long) prompt

@@ -188,6 +188,7 @@ class PieceCounter:
         self._longest = max((len(content) for content, _ in patterns), default=0)
         self._resumable = all(p is None for _, p in patterns)
         self._last = ""
+        self._last_id: Any = None
         self._bounds: list[int] = []
         self._totals: list[int] = []
 
@@ -197,11 +198,20 @@ class PieceCounter:
         self.encoded_chars += len(text)
         return len(self._backend.encode(text, add_special_tokens=False).ids)
 
-    def count(self, text: str) -> int:
-        """Exact token count of ``text`` (no special tokens added)."""
+    def count(self, text: str, *, lineage: tuple[Any, Any, int] | None = None) -> int:
+        """Exact token count of ``text`` (no special tokens added).
+
+        ``lineage`` — ``(this text's id, the id of an earlier text, n)`` — says that ``text[:n]`` equals that
+        earlier text's beginning; when that earlier text is the one counted last, the shared prefix need not be
+        searched for. Ids are any values the caller keeps unique.
+        """
         if not self.fast or self._split is None:
             return self.full(text)
-        start, base, kept = self._resume_point(text)
+        known = (
+            lineage[2] if lineage is not None and self._last_id is not None and lineage[1] == self._last_id else None
+        )
+        self._last_id = lineage[0] if lineage is not None else None
+        start, base, kept = self._resume_point(text, known)
         parts = self._split(text[start:] if start else text)
         counts = [0] * len(parts)
         counts[1::2] = [1] * (len(parts) // 2)  # one token per added-token match
@@ -240,13 +250,13 @@ class PieceCounter:
             self._last, self._bounds, self._totals = text, bounds, totals
         return total
 
-    def _resume_point(self, text: str) -> tuple[int, int, int]:
+    def _resume_point(self, text: str, known: int | None = None) -> tuple[int, int, int]:
         """Where counting ``text`` may start: the last checkpoint of the previous text that lies wholly inside
         the prefix both texts share — ``(offset, tokens before it, checkpoints kept)``, or zeros."""
         last = self._last
         if not last:
             return 0, 0, 0
-        shared = _common_prefix(text, last)
+        shared = known if known is not None else _common_prefix(text, last)
         # A token match that starts before the checkpoint ends within the longest token's length of it, so
         # everything the tokenizer decided before it depends only on shared text.
         kept = bisect.bisect_right(self._bounds, shared - self._longest)
@@ -259,7 +269,9 @@ class PieceCounter:
         self.encoded_chars += sum(len(p) for p in unique)
         anchor = self._anchor
         assert anchor is not None
-        encodings = self._backend.encode_batch([anchor + p for p in unique], add_special_tokens=False)
+        # Only lengths are needed: the "fast" batch call skips computing character offsets where it exists.
+        encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+        encodings = encode([anchor + p for p in unique], add_special_tokens=False)
         lengths = {p: len(e.ids) - 1 for p, e in zip(unique, encodings, strict=True)}
         for piece, n in lengths.items():
             self._after.put(piece, n)
@@ -287,6 +299,7 @@ class PieceCounter:
         self._first.clear()
         self.encoded_chars = 0
         self._last, self._bounds, self._totals = "", [], []
+        self._last_id = None
 
     @property
     def cached_pieces(self) -> int:

@@ -150,7 +150,7 @@ class HFChatTemplateCounter:
         conversation = self._conversation(messages)
         plain, media = self._view(conversation)
         tool_list = [dict(t) for t in tools] if tools else None
-        text = self.render_view(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
+        text, lineage = self._render(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
         notes: list[str] = []
         if tool_list and self.ignores_tools and not self._warned_tools:
             self._warned_tools = True
@@ -163,7 +163,7 @@ class HFChatTemplateCounter:
             notes.append("the chat template ignores tools: they cost 0 tokens and the model does not see them")
         if self.renders_date:
             notes.append("the chat template renders today's date; the count is exact for today")
-        text_tokens = self.count_text(text)
+        text_tokens = self.count_text(text, lineage=lineage)
         media_tokens = sum(self.media_cost.for_part(str(part.type)) for _, part in media)
         if media:
             notes.append(f"{len(media)} non-text part(s) priced at {media_tokens} tokens by {self.media_cost.source}")
@@ -236,6 +236,11 @@ class HFChatTemplateCounter:
         self, plain: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None, add_generation_prompt: bool
     ) -> str:
         """Render already-preprocessed message dicts with the template, in the sandbox."""
+        return self._render(plain, tools=tools, add_generation_prompt=add_generation_prompt)[0]
+
+    def _render(
+        self, plain: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> tuple[str, tuple[Any, Any, int] | None]:
         source = self.template_for(tools)
         template = compile_template(source)
         context = {
@@ -251,7 +256,9 @@ class HFChatTemplateCounter:
             self._renderers[source] = IncrementalRenderer(split) if split is not None else None
         renderer = self._renderers[source]
         try:
-            return renderer.render(context) if renderer is not None else template.render(context)
+            if renderer is not None:
+                return renderer.render_with_lineage(context)
+            return template.render(context), None
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(
                 f"the chat template of {self.name} rejected these messages: {str(exc).rstrip('.!')}. This model's "
@@ -276,12 +283,12 @@ class HFChatTemplateCounter:
             add_generation_prompt=add_generation_prompt,
         )
 
-    def count_text(self, text: str) -> int:
+    def count_text(self, text: str, *, lineage: tuple[Any, Any, int] | None = None) -> int:
         """Tokens of an already-rendered prompt, no special tokens added."""
         if self._pieces is None:
             return len(self.tokenizer.encode(text, add_special_tokens=False))
         with self._lock:
-            return self._pieces.count(text)
+            return self._pieces.count(text, lineage=lineage)
 
     @property
     def encoded_chars(self) -> int:
