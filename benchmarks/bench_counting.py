@@ -79,7 +79,6 @@ def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: i
         window_tokens = counter.count(window, tools=TOOLS)
         window_ms.append((time.perf_counter() - t0) * 1000)
 
-
     full = []
     checked = []
     for stop in [first, *later][:recounts]:
@@ -151,9 +150,7 @@ def main() -> int:
         "|---|---:|---:|",
     ]
     for r in results:
-        lines.append(
-            f"| {r['case']} | {r['window_tokens']:,} | {r['window_p50_ms']:.1f} ms |"
-        )
+        lines.append(f"| {r['case']} | {r['window_tokens']:,} | {r['window_p50_ms']:.1f} ms |")
     lines.append("<!-- counting:end -->")
     block = "\n".join(lines)
     print(block)
