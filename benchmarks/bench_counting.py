@@ -29,6 +29,9 @@ from assets import template, tokenizer_dir  # noqa: E402
 CASES = [
     ("Qwen2.5-7B-Instruct", "Qwen-Qwen2.5-7B-Instruct", "qwen2"),
     ("Llama-3.3-70B-Instruct", "meta-llama-Llama-3.3-70B-Instruct", "llama-bpe"),
+    # Qwen3 strips reasoning from turns before the last user query, so a new user turn changes what the loop
+    # body sees for every message: its outputs cannot be reused across such turns.
+    ("Qwen3-0.6B", "Qwen-Qwen3-0.6B", "qwen2"),
 ]
 
 

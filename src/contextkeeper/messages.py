@@ -831,7 +831,7 @@ def _unchanged_prefix(messages: Sequence[MessageLike], previous: Conversation | 
     if len(messages) < size:
         return 0
     # One C-level comparison: identical strings inside make it cheap, and a dict changed in place fails it.
-    return size if list(messages[:size]) == list(previous._checks) else 0
+    return size if tuple(messages[:size]) == previous._checks else 0
 
 
 def _restore_conversation(

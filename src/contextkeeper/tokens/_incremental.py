@@ -44,6 +44,7 @@ class LoopState:
 class SplitTemplate:
     """A template cut into the part before its message loop, the loop body, and the part after it."""
 
+    marked: Template  # the template with SENTINEL written after each loop iteration
     head: Template
     body: Template
     tail: Template
@@ -155,14 +156,28 @@ def split_template(template: Template, source: str) -> SplitTemplate | None:
                 return None
         if isinstance(node, nodes.ExprStmt) and any(isinstance(n, nodes.Call) for n in _walk(node)):
             return None  # {% do x.append(...) %}: a side effect the sandbox may or may not refuse
+    marked_loop = nodes.For(
+        loop.target,
+        loop.iter,
+        [*loop.body, nodes.Output([nodes.TemplateData(SENTINEL)])],
+        loop.else_,
+        loop.test,
+        loop.recursive,
+        lineno=loop.lineno,
+    )
     try:
+        marked = env.from_string(nodes.Template([*head_nodes, marked_loop, *tail_nodes], lineno=1))
         head = env.from_string(head_root)
         body = env.from_string(body_root)
         tail = env.from_string(tail_root)
     except Exception:
         return None
-    return SplitTemplate(head=head, body=body, tail=tail, target=loop.target.name, reach=reach)
+    return SplitTemplate(marked=marked, head=head, body=body, tail=tail, target=loop.target.name, reach=reach)
 
+
+# Written after every loop iteration by the marked template, to cut one whole render into per-message outputs.
+# Private-use characters around a fixed tag; if a message happens to contain it, the cut is refused (count check).
+SENTINEL = "\ue000contextkeeper-body-end\ue001"
 
 _OUTSIDE = object()  # a neighbour index past the end: the template sees Undefined there
 
@@ -174,6 +189,10 @@ def _window(messages: list[Any], index: int, reach: int) -> tuple[Any, ...]:
         messages[position] if -count <= position < count else _OUTSIDE
         for position in range(index - reach, index + reach + 1)
     )
+
+
+# Above this many bodies to render, one marked whole render (cut at the sentinels) beats rendering each body.
+_BATCH = 8
 
 
 def _shared_prefix(a: list[Any], b: list[Any]) -> int:
@@ -213,6 +232,24 @@ class IncrementalRenderer:
     def render(self, context: dict[str, Any]) -> str:
         """The same text as rendering the whole template with ``context``."""
         return self.render_with_lineage(context)[0]
+
+    def _next_serial(self, based_on: int, stable: int) -> int:
+        self._serial += 1
+        self.last_reuse = (self._serial, based_on, stable)
+        return self._serial
+
+    def _trim_previous(self) -> None:
+        while len(self._previous) > self._generations:
+            del self._previous[next(iter(self._previous))]
+
+    def _render_marked(self, context: dict[str, Any], head_text: str, count: int) -> tuple[list[str], str] | None:
+        """Every body's output from one whole render, or None when the cut is not clean."""
+        parts = self.split.marked.render(context).split(SENTINEL)
+        if len(parts) != count + 1 or not parts[0].startswith(head_text):
+            return None  # a message contains the sentinel, or the head rendered differently (a date rolled over)
+        bodies = [parts[0][len(head_text) :], *parts[1:count]] if count else []
+        tail = parts[count] if count else parts[0][len(head_text) :]
+        return bodies, tail
 
     def render_with_lineage(self, context: dict[str, Any]) -> tuple[str, tuple[Any, Any, int]]:
         """The text, and ``(its id, the id of the earlier render it reused, n)``: ``text[:n]`` equals that
@@ -262,6 +299,15 @@ class IncrementalRenderer:
             for flag_index in (old_last, count - 1):  # the only places where loop.last can differ
                 if reuse_from <= flag_index < reuse_to and (flag_index == old_last) != (flag_index == count - 1):
                     reuse_to = flag_index
+        if count - (reuse_to - reuse_from) > _BATCH:
+            cut = self._render_marked(context, head_text, count)
+            if cut is not None:
+                bodies, tail_text = cut
+                for index, text in enumerate(bodies):
+                    memo[(index, index == count - 1)] = (_window(messages, index, reach), text)
+                self._previous[generation] = (list(messages), bodies, self._next_serial(-1, 0))
+                self._trim_previous()
+                return "".join([head_text, *bodies, tail_text])
         index = 0
         while index < count:
             if index == reuse_from and reuse_to > reuse_from:
@@ -292,10 +338,10 @@ class IncrementalRenderer:
                 reused_prefix += 1
             if reused_prefix == reuse_from and reuse_to > reuse_from:
                 reused_prefix = reuse_to
-        self._serial += 1
-        stable = len(head_text) + sum(map(len, texts[:reused_prefix]))
-        self.last_reuse = (self._serial, based_on, stable)
-        self._previous[generation] = (list(messages), texts, self._serial)
-        while len(self._previous) > self._generations:
-            del self._previous[next(iter(self._previous))]
-        return "".join([head_text, *texts, split.tail.render(scope)])  # one copy of the (long) prompt
+        tail_text = split.tail.render(scope)
+        text = "".join([head_text, *texts, tail_text])  # one copy of the (long) prompt
+        # Measured from the end: only the few bodies after the reused prefix need their lengths summed.
+        stable = len(text) - len(tail_text) - sum(map(len, texts[reused_prefix:]))
+        self._previous[generation] = (list(messages), texts, self._next_serial(based_on, stable))
+        self._trim_previous()
+        return text
