@@ -423,7 +423,8 @@ class _ParseMemo:
 
     An entry is reused only for the very same dict object that still equals the copy taken when it was
     validated (a deep comparison, cheap because the strings are shared), so a dict changed in place is
-    validated again. Two generations bound the memory to ``2 * limit`` entries.
+    validated again. Python equality cannot see one edit: swapping a number for an equal number of another
+    type in place (1 for True or 1.0). Two generations bound the memory to ``2 * limit`` entries.
     """
 
     def __init__(self, limit: int = 16_384) -> None:

@@ -196,14 +196,19 @@ _BATCH = 8
 
 
 def _shared_prefix(a: list[Any], b: list[Any]) -> int:
-    """Length of the longest common prefix of two lists (element equality; identity short-cuts it)."""
+    """Length of the longest common prefix of two lists of the very same objects.
+
+    Identity, not equality: ``{"n": 1} == {"n": True}`` in Python, yet a template renders them differently.
+    Comparing the lists of ids keeps the loop in C; ``b`` holds its objects, so their ids stay unique.
+    """
     limit = min(len(a), len(b))
-    if a[:limit] == b[:limit]:  # the usual case, a conversation that grew: one C-level comparison
+    ids_a, ids_b = list(map(id, a[:limit])), list(map(id, b[:limit]))
+    if ids_a == ids_b:  # the usual case, a conversation that grew
         return limit
-    low, high = 0, limit - 1  # a[:low] == b[:low] holds, a[:high + 1] == b[:high + 1] does not
+    low, high = 0, limit - 1  # ids_a[:low] == ids_b[:low] holds, ids_a[:high + 1] == ids_b[:high + 1] does not
     while low < high:
         middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
+        if ids_a[:middle] == ids_b[:middle]:
             low = middle
         else:
             high = middle - 1
@@ -282,8 +287,7 @@ class IncrementalRenderer:
         count = len(messages)
         body = split.body
         # Whole-prefix reuse first: outputs of the previous call under this generation whose window lies inside
-        # the prefix the two lists share (compared in C; identical objects compare instantly) and whose "last"
-        # flag is unchanged. Equal messages render equally, so equality is enough here.
+        # the prefix of identical message objects the two lists share, and whose "last" flag is unchanged.
         previous = self._previous.get(generation)
         texts: list[str] = []
         based_on = -1
