@@ -52,7 +52,15 @@ def test_templates_with_cross_message_state_are_refused() -> None:
     uses_length = "{% for m in messages %}{{ loop.length }}{{ m.content }}{% endfor %}"
     far_reads = "{% for m in messages %}{{ messages[-1].content }}{% endfor %}"
     filtered = "{% for m in messages if m.role != 'system' %}{{ loop.index }}{% endfor %}"
-    for source in (writes_state, uses_length, far_reads, filtered):
+    block_write = (
+        "{% set ns = namespace(t='') %}{% for m in messages %}{% set ns.t %}{{ m.content }}{% endset %}"
+        "{{ ns.t }}{% endfor %}"
+    )
+    via_macro = (
+        "{% macro last() %}{{ messages[-1].content }}{% endmacro %}"
+        "{% for m in messages %}{{ m.content }}{{ last() }}{% endfor %}"
+    )
+    for source in (writes_state, uses_length, far_reads, filtered, block_write, via_macro):
         assert split_template(compile_template(source), source) is None, source
 
 

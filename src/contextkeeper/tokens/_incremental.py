@@ -146,7 +146,7 @@ def split_template(template: Template, source: str) -> SplitTemplate | None:
             return None
         if isinstance(node, (nodes.Include, nodes.Import, nodes.FromImport, nodes.Block)):
             return None
-        if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.NSRef):
+        if isinstance(node, (nodes.Assign, nodes.AssignBlock)) and isinstance(node.target, nodes.NSRef):
             return None  # a namespace write carries state from one message to the next
         if isinstance(node, nodes.Name) and node.name in _IMPURE:
             return None
@@ -156,6 +156,19 @@ def split_template(template: Template, source: str) -> SplitTemplate | None:
                 return None
         if isinstance(node, nodes.ExprStmt) and any(isinstance(n, nodes.Call) for n in _walk(node)):
             return None  # {% do x.append(...) %}: a side effect the sandbox may or may not refuse
+    # A macro runs with the template's globals: one that reads the messages (or the clock) would let the body
+    # see beyond its window through a call.
+    macros = {macro.name: macro for macro in ast.find_all(nodes.Macro)}
+    tainted = any(
+        isinstance(n, nodes.Name) and (n.name == "messages" or n.name in _IMPURE)
+        for macro in macros.values()
+        for n in _walk(macro)
+    )
+    if tainted and any(
+        isinstance(call, nodes.Call) and isinstance(call.node, nodes.Name) and call.node.name in macros
+        for call in _walk(body_root)
+    ):
+        return None
     marked_loop = nodes.For(
         loop.target,
         loop.iter,
