@@ -12,6 +12,7 @@ The equivalence is checked against whole renders over all the templates the test
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -212,20 +213,11 @@ def _shared_prefix(a: list[Any], b: list[Any]) -> int:
     """Length of the longest common prefix of two lists of the very same objects.
 
     Identity, not equality: ``{"n": 1} == {"n": True}`` in Python, yet a template renders them differently.
-    Comparing the lists of ids keeps the loop in C; ``b`` holds its objects, so their ids stay unique.
+    ``map(operator.is_, ...)`` keeps the loop in C.
     """
     limit = min(len(a), len(b))
-    ids_a, ids_b = list(map(id, a[:limit])), list(map(id, b[:limit]))
-    if ids_a == ids_b:  # the usual case, a conversation that grew
-        return limit
-    low, high = 0, limit - 1  # ids_a[:low] == ids_b[:low] holds, ids_a[:high + 1] == ids_b[:high + 1] does not
-    while low < high:
-        middle = (low + high + 1) // 2
-        if ids_a[:middle] == ids_b[:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    same = list(map(operator.is_, a[:limit], b[:limit]))
+    return limit if all(same) else same.index(False)
 
 
 class IncrementalRenderer:
