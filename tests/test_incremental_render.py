@@ -101,3 +101,23 @@ def test_a_first_message_that_reads_the_wrapped_around_neighbour() -> None:
         chat = [*chat, {"role": "assistant", "content": f"r{step}"}]
         assert fast.render(chat) == whole.render(chat)
     assert split_template(compile_template(source), source) is not None
+
+
+def test_equal_but_different_messages_are_not_taken_for_the_same() -> None:
+    # Python says {"n": 1} == {"n": True}; a template writes 1 and true. Views and outputs are reused only
+    # for the very same message objects.
+    counter = ck.HFChatTemplateCounter(hf_tokenizer("qwen2"), chat_template=template("Qwen-Qwen2.5-7B-Instruct"))
+
+    def chat(value: Any) -> ck.Conversation:
+        call_args = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "f", "arguments": {"n": value}}}
+        return ck.Conversation.from_messages(
+            [
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "tool_calls": [call_args]},
+                {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "ok"},
+            ]
+        )
+
+    assert chat(1) == chat(True)
+    assert '"n": 1' in counter.render(chat(1))
+    assert '"n": true' in counter.render(chat(True))

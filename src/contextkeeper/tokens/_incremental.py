@@ -20,7 +20,7 @@ from typing import Any
 
 from jinja2 import Template, nodes
 
-__all__ = ["IncrementalRenderer", "LoopState", "SplitTemplate", "split_template"]
+__all__ = ["IncrementalRenderer", "LoopState", "SplitTemplate", "shared_prefix", "split_template"]
 
 # What the loop body may ask of ``loop``; the others (length, revindex, cycle, changed, previtem, nextitem) need
 # the whole list or the previous iteration.
@@ -209,7 +209,7 @@ def _window(messages: list[Any], index: int, reach: int) -> tuple[Any, ...]:
 _BATCH = 8
 
 
-def _shared_prefix(a: list[Any], b: list[Any]) -> int:
+def shared_prefix(a: list[Any], b: list[Any]) -> int:
     """Length of the longest common prefix of two lists of the very same objects.
 
     Identity, not equality: ``{"n": 1} == {"n": True}`` in Python, yet a template renders them differently.
@@ -248,9 +248,9 @@ class IncrementalRenderer:
         self.last_reuse = (self._serial, based_on, stable)
         return self._serial
 
-    def _trim_previous(self) -> None:
-        while len(self._previous) > self._generations:
-            del self._previous[next(iter(self._previous))]
+    def _keep_newest(self, per_generation: dict[Any, Any]) -> None:
+        while len(per_generation) > self._generations:
+            del per_generation[next(iter(per_generation))]
 
     def _render_marked(self, context: dict[str, Any], head_text: str, count: int) -> tuple[list[str], str] | None:
         """Every body's output from one whole render, or None when the cut is not clean."""
@@ -286,8 +286,7 @@ class IncrementalRenderer:
         if memo is None or len(memo) > self._limit:
             memo = {}
         self._memos[generation] = memo
-        while len(self._memos) > self._generations:
-            del self._memos[next(iter(self._memos))]
+        self._keep_newest(self._memos)
         reach = split.reach
         count = len(messages)
         body = split.body
@@ -300,7 +299,7 @@ class IncrementalRenderer:
         last_texts: list[str] = []
         if previous is not None:
             last_messages, last_texts, based_on = previous
-            shared = _shared_prefix(messages, last_messages)
+            shared = shared_prefix(messages, last_messages)
             # Bodies before ``reach`` may read messages[-1]... (Python indexing wraps), the list's changing end,
             # so they go through the per-message path below; the rest of the shared prefix is taken whole.
             reuse_from, reuse_to = reach, max(reach, shared - reach)
@@ -315,7 +314,7 @@ class IncrementalRenderer:
                 for index, text in enumerate(bodies):
                     memo[(index, index == count - 1)] = (_window(messages, index, reach), text)
                 self._previous[generation] = (list(messages), bodies, self._next_serial(-1, 0))
-                self._trim_previous()
+                self._keep_newest(self._previous)
                 return "".join([head_text, *bodies, tail_text])
         index = 0
         while index < count:
@@ -352,5 +351,5 @@ class IncrementalRenderer:
         # Measured from the end: only the few bodies after the reused prefix need their lengths summed.
         stable = len(text) - len(tail_text) - sum(map(len, texts[reused_prefix:]))
         self._previous[generation] = (list(messages), texts, self._next_serial(based_on, stable))
-        self._trim_previous()
+        self._keep_newest(self._previous)
         return text

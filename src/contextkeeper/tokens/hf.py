@@ -13,7 +13,7 @@ import jinja2.nodes
 
 from .._exceptions import ChatTemplateError
 from ..messages import ContentPart, Conversation, Message, server_view_message
-from ._incremental import IncrementalRenderer, split_template
+from ._incremental import IncrementalRenderer, shared_prefix, split_template
 from ._pieces import PieceCounter
 from ._sandbox import compile_template
 from .base import Measurement, MessagesLike, ToolsLike
@@ -194,8 +194,9 @@ class HFChatTemplateCounter:
         last_messages, last_plain, last_media = self._last_view
         start = 0
         # A conversation that grew shares its validated Message objects with the previous call: take their views
-        # in one step (a C-level tuple comparison) instead of one cache look-up per message.
-        if len(messages) >= len(last_messages) and messages[: len(last_messages)] == last_messages:
+        # in one step instead of one cache look-up per message. Identity, not equality: Message(n=1) equals
+        # Message(n=True), yet their views render differently.
+        if shared_prefix(list(messages), list(last_messages)) == len(last_messages):
             start = len(last_messages)
             plain = list(last_plain)
             media = list(last_media)
