@@ -136,16 +136,14 @@ class _Generational:
         if value is None:
             value = self._old.get(key)
             if value is not None:
-                self._put(key, value)
+                self.put(key, value)
         return value
 
-    def _put(self, key: str, value: int) -> None:
+    def put(self, key: str, value: int) -> None:
         if len(self._new) >= self._limit:
             self._old = self._new
             self._new = {}
         self._new[key] = value
-
-    put = _put
 
     def __len__(self) -> int:
         return len(self._new) + len(self._old)
@@ -278,13 +276,13 @@ class PieceCounter:
         return lengths
 
     # -- self-check ------------------------------------------------------------------------------------------
-    def verify(self, extra: tuple[str, ...] = ()) -> bool:
+    def verify(self) -> bool:
         """Check the piece rule against whole-text encoding on probe texts; switch it off if it fails."""
         if not self.fast:
             return False
         added = [t.content for t in self._backend.get_added_tokens_decoder().values() if t.content]
         specials = added[:64] + added[-64:]
-        samples = list(extra)
+        samples: list[str] = []
         for i, text in enumerate(_PROBE_TEXTS):
             token = specials[i % len(specials)] if specials else ""
             samples.append(text + token + text + token + " " + text)
