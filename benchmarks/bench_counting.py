@@ -4,7 +4,7 @@ Measures, on one machine in one run: the cold count (fresh counter, empty caches
 appended turn (warm counter), and the obvious exact alternative — a full ``apply_chat_template`` recount.
 Writes the results to docs/benchmarks.md (between markers) and prints them.
 
-    python benchmarks/bench_counting.py [--turns 40] [--recounts 3]
+    python benchmarks/bench_counting.py [--turns 40] [--recounts 3] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _from_user(messages: list[dict[str, Any]], start: int, stop: int) -> list[di
     return messages[start:stop]
 
 
-def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: int) -> dict[str, Any]:
+def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: int, repeats: int = 3) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(vocab))
@@ -61,18 +61,25 @@ def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: i
     stops = _requests(messages, 2000)
     first, later = stops[0], stops[1 : turns + 1]
 
-    t0 = time.perf_counter()
-    counter = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=label)
-    build_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    cold_tokens = counter.count(messages[:first], tools=TOOLS)
-    cold_s = time.perf_counter() - t0
-
-    per_turn = []
-    for stop in later:
+    # The machine's speed drifts by a third between minutes, so the cold count and the per-turn series are
+    # measured ``repeats`` times, each with a fresh counter, and the median run is reported (with the range).
+    runs = []
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        counter.count(messages[:stop], tools=TOOLS)
-        per_turn.append((time.perf_counter() - t0) * 1000)
+        counter = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=label)
+        build_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        cold_tokens = counter.count(messages[:first], tools=TOOLS)
+        cold_s = time.perf_counter() - t0
+        series = []
+        for stop in later:
+            t0 = time.perf_counter()
+            counter.count(messages[:stop], tools=TOOLS)
+            series.append((time.perf_counter() - t0) * 1000)
+        runs.append((cold_s, series))
+    p50s = sorted(statistics.median(series) for _, series in runs)
+    per_turn = [ms for _, series in runs for ms in series]
+    cold_s = statistics.median(cold for cold, _ in runs)
 
     # What the fit engine counts once history exceeds the context: the system prompt plus a recent window.
     window_ms = []
@@ -93,7 +100,7 @@ def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: i
         full.append(time.perf_counter() - t0)
         checked.append(len(ids) == counter.count(messages[:stop], tools=TOOLS))
 
-    p50 = statistics.median(per_turn)
+    p50 = statistics.median(p50s)
     p95 = sorted(per_turn)[int(0.95 * (len(per_turn) - 1))]
     full_s = statistics.median(full)
     return {
@@ -104,6 +111,7 @@ def run_case(label: str, template_name: str, vocab: str, turns: int, recounts: i
         "cold_s": round(cold_s, 3),
         "turns": len(per_turn),
         "per_turn_p50_ms": round(p50, 2),
+        "per_turn_p50_range_ms": [round(p50s[0], 2), round(p50s[-1], 2)],
         "per_turn_p95_ms": round(p95, 2),
         "window_messages": 400,
         "window_tokens": window_tokens,
@@ -119,9 +127,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--turns", type=int, default=40)
     parser.add_argument("--recounts", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    results = [run_case(*case, turns=args.turns, recounts=args.recounts) for case in CASES]
+    results = [run_case(*case, turns=args.turns, recounts=args.recounts, repeats=args.repeats) for case in CASES]
     print(json.dumps(results, indent=1))
     import tokenizers
     import transformers
@@ -134,13 +143,14 @@ def main() -> int:
         "<!-- counting:start -->",
         f"Command: `python benchmarks/bench_counting.py` — {env}.",
         "",
-        "| template | messages | tokens | cold count | per turn p50 | per turn p95 | full recount "
+        "| template | messages | tokens | cold count | per turn p50 (range) | per turn p95 | full recount "
         "| per-turn speed-up | cold / recount | exact |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['case']} | {r['messages']} | {r['tokens']:,} | {r['cold_s']:.2f} s | {r['per_turn_p50_ms']:.1f} ms "
+            f"({r['per_turn_p50_range_ms'][0]:.1f}–{r['per_turn_p50_range_ms'][1]:.1f}) "
             f"| {r['per_turn_p95_ms']:.1f} ms | {r['full_recount_s']:.2f} s | {r['speedup_per_turn']:.0f}× "
             f"| {r['cold_vs_recount']:.2f} | {'yes' if r['exact'] else 'NO'} |"
         )

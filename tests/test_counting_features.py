@@ -45,6 +45,31 @@ def test_llama_puts_tools_in_the_first_user_message_and_renders_the_date() -> No
     assert any("today's date" in note for note in counter.measure(simple()).notes)
 
 
+def test_tool_schemas_changed_in_place_between_counts_are_counted_again() -> None:
+    """Tool schemas are rendered once and reused while unchanged (their ``tojson`` is memoised): an edit made
+    in place, even 1 -> True, must still reach the count."""
+    import copy
+
+    counter = counter_for("meta-llama-Llama-3.3-70B-Instruct", "llama-bpe")
+    tools = copy.deepcopy(TOOLS)
+    messages = simple()
+    before = counter.count(messages, tools=tools)
+    assert before == counter.reference_count(messages, tools=tools)
+    first = tools[0]["function"]["parameters"]
+    first["properties"][next(iter(first["properties"]))]["description"] = "a much longer description " * 5
+    grown = counter.count(messages, tools=tools)
+    assert grown == counter.reference_count(messages, tools=tools)
+    assert grown > before
+    first["strict_flag"] = 1
+    as_int = counter.count(messages, tools=tools)
+    assert as_int == counter.reference_count(messages, tools=tools)
+    first["strict_flag"] = True
+    as_bool = counter.count(messages, tools=tools)
+    assert as_bool == counter.reference_count(messages, tools=tools)
+    assert as_int != as_bool  # "1" and "true" are different tokens
+    assert TOOLS[0]["function"]["parameters"] != first  # the module's schemas were never touched
+
+
 def test_template_error_keeps_the_templates_own_message() -> None:
     counter = counter_for("google-gemma-2-2b-it", "gemma-4")
     with pytest.raises(ck.ChatTemplateError) as info:

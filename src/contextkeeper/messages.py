@@ -690,22 +690,24 @@ class Conversation(Sequence[Message]):
         parsed: list[Message] = []
         formats: list[_InputFormat] = []
         checks: list[object] = []
-        regroup_from = 0
-        if start and previous is not None and previous._checks is not None:
-            parsed, formats, checks = list(previous._messages), list(previous._formats), list(previous._checks)
-            # The previous last unit may grow (more tool results) or now need its results: group it again.
-            regroup_from = previous._units[-1].start
         for index in range(start, len(messages)):
             message, fmt, check = _parse_message(messages[index], index)
             parsed.append(message)
             formats.append(fmt)
             checks.append(check)
-        built = tuple(parsed)
-        units = _group_units(built, regroup_from)
-        if regroup_from and previous is not None:
-            units = previous._units[:-1] + units
-        complete = None if None in checks else tuple(checks)
-        self._set(built, tuple(formats), tuple(messages), units, complete)
+        if start and previous is not None and previous._checks is not None:
+            # The previous last unit may grow (more tool results) or now need its results: group it again.
+            regroup_from = previous._units[-1].start
+            built = previous._messages + tuple(parsed)
+            units = previous._units[:-1] + _group_units(built, regroup_from)
+            all_formats = previous._formats + tuple(formats)
+            complete = None if None in checks else previous._checks + tuple(checks)
+        else:
+            built = tuple(parsed)
+            units = _group_units(built)
+            all_formats = tuple(formats)
+            complete = None if None in checks else tuple(checks)
+        self._set(built, all_formats, tuple(messages), units, complete)
 
     def _set(
         self,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,7 +209,7 @@ def _window(messages: list[Any], index: int, reach: int) -> tuple[Any, ...]:
 _BATCH = 8
 
 
-def shared_prefix(a: list[Any], b: list[Any]) -> int:
+def shared_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the longest common prefix of two lists of the very same objects.
 
     Identity, not equality: ``{"n": 1} == {"n": True}`` in Python, yet a template renders them differently.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -15,7 +16,7 @@ from .._exceptions import ChatTemplateError
 from ..messages import ContentPart, Conversation, Message, server_view_message
 from ._incremental import IncrementalRenderer, shared_prefix, split_template
 from ._pieces import PieceCounter
-from ._sandbox import compile_template
+from ._sandbox import FROZEN_JSON, compile_template, same_values
 from .base import Measurement, MessagesLike, ToolsLike
 from .media import MediaCost, media_cost_for
 
@@ -125,6 +126,7 @@ class HFChatTemplateCounter:
         self._views: dict[int, tuple[Message, dict[str, Any], list[ContentPart]]] = {}
         self._last_view: tuple[tuple[Message, ...], list[dict[str, Any]], list[tuple[int, ContentPart]]] = ((), [], [])
         self._last_conversation: Conversation | None = None
+        self._tools: list[dict[str, Any]] | None = None
         self.incremental = incremental
         self._renderers: dict[str, IncrementalRenderer | None] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -149,7 +151,7 @@ class HFChatTemplateCounter:
         """Count ``messages`` and ``tools`` and say what the count is made of."""
         conversation = self._conversation(messages)
         plain, media = self._view(conversation)
-        tool_list = [dict(t) for t in tools] if tools else None
+        tool_list = self._tool_list(tools)
         text, lineage = self._render(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
         notes: list[str] = []
         if tool_list and self.ignores_tools and not self._warned_tools:
@@ -177,6 +179,23 @@ class HFChatTemplateCounter:
         )
 
     # -- pieces ----------------------------------------------------------------------------------------------
+    def _tool_list(self, tools: ToolsLike) -> list[dict[str, Any]] | None:
+        """Our own deep copy of the tool schemas: the same objects while the caller's tools stay the same, so the
+        template's ``tojson`` of them is computed once (see ``FrozenJSON``)."""
+        if not tools:
+            return None
+        given = [dict(t) for t in tools]
+        with self._lock:
+            last = self._tools
+            if last is not None and same_values(given, last):
+                return last
+            mine = copy.deepcopy(given)
+            FROZEN_JSON.register(mine)
+            if last is not None:
+                FROZEN_JSON.unregister(last)
+            self._tools = mine
+            return mine
+
     def _conversation(self, messages: MessagesLike) -> Conversation:
         """Validate, re-validating only what is new since the previous call (a chat that grew)."""
         if isinstance(messages, Conversation):
@@ -196,7 +215,7 @@ class HFChatTemplateCounter:
         # A conversation that grew shares its validated Message objects with the previous call: take their views
         # in one step instead of one cache look-up per message. Identity, not equality: Message(n=1) equals
         # Message(n=True), yet their views render differently.
-        if shared_prefix(list(messages), list(last_messages)) == len(last_messages):
+        if shared_prefix(messages, last_messages) == len(last_messages):
             start = len(last_messages)
             plain = list(last_plain)
             media = list(last_media)
