@@ -5,7 +5,10 @@ Every error says what went wrong, by how much where a number applies, and which 
 ```
 ContextKeeperError
 ├── ConfigurationError
-│   └── TokenizerNotFound          the tokenizer spec names nothing we can load
+│   ├── TokenizerNotFound          the tokenizer spec names nothing we can load
+│   ├── ModelConfigError           a model config that is malformed, incomplete or has an unknown layer kind
+│   ├── UnknownModel               a model name that is no file, folder, cached hub id or catalog entry
+│   └── UnknownGPU                 a GPU name not in the catalog (.matches: the closest names)
 ├── MessageError                   .index: the offending message's position (None: the list itself)
 │   ├── InvalidMessage             unknown role, bad content type, missing id, malformed tool call
 │   ├── OrphanToolResult           a tool result whose call id no earlier assistant message made
@@ -26,8 +29,11 @@ __all__ = [
     "InvalidMessage",
     "MessageError",
     "MissingToolResult",
+    "ModelConfigError",
     "OrphanToolResult",
     "TokenizerNotFound",
+    "UnknownGPU",
+    "UnknownModel",
     "UnsupportedContent",
 ]
 
@@ -42,6 +48,28 @@ class ConfigurationError(ContextKeeperError):
 
 class TokenizerNotFound(ConfigurationError):
     """The tokenizer spec (folder, .gguf file, hub id or ``mistral:<name>``) could not be loaded."""
+
+
+class ModelConfigError(ConfigurationError, ValueError):
+    """A model config we cannot use: malformed JSON, a missing or non-positive size, an unknown layer kind."""
+
+
+class _WithMatches(ConfigurationError, LookupError):
+    """A name that matched nothing; ``matches`` holds the closest known names (possibly empty)."""
+
+    def __init__(self, message: str, *, matches: tuple[str, ...] = ()) -> None:
+        self.matches = tuple(matches)
+        if self.matches:
+            message = f"{message.rstrip('.')}. Did you mean: {', '.join(self.matches)}?"
+        super().__init__(message)
+
+
+class UnknownModel(_WithMatches):
+    """A model name that is no config file or folder, no reachable or cached hub id and no catalog entry."""
+
+
+class UnknownGPU(_WithMatches):
+    """A GPU name that is not in the catalog."""
 
 
 class MessageError(ContextKeeperError, ValueError):

@@ -63,6 +63,132 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(tokenizer=args.tokenizer, as_json=args.json)
 
 
+def _runtime_settings(args: argparse.Namespace) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    for name in ("block_size", "max_num_batched_tokens", "phase", "n_ubatch"):
+        value = getattr(args, name, None)
+        if value is not None:
+            settings[name] = value
+    if getattr(args, "no_hybrid_manager", False):
+        settings["hybrid_manager"] = False
+    if getattr(args, "swa_full", False):
+        settings["swa_full"] = True
+    if getattr(args, "kv_unified", False):
+        settings["kv_unified"] = True
+    return settings
+
+
+def _kv(args: argparse.Namespace) -> int:
+    from .memory import ModelSpec
+    from .memory.render import kv_table
+
+    model = ModelSpec.from_config(args.model)
+    report = model.kv(
+        args.tokens,
+        args.sequences,
+        runtime=args.runtime,
+        kv_dtype=args.kv_dtype,
+        tp=args.tp,
+        **_runtime_settings(args),
+    )
+    if args.json:
+        print(json.dumps({**report.to_dict(), "max_context": model.max_context, "source": model.source}))
+    else:
+        print(kv_table(report))
+    return 0
+
+
+def _plan_settings(args: argparse.Namespace) -> Any:
+    from .memory import PlanSettings
+
+    fields: dict[str, Any] = {}
+    if args.gpu_memory_utilization is not None:
+        fields["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.max_num_batched_tokens is not None:
+        fields["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.attn_implementation is not None:
+        fields["attn_implementation"] = args.attn_implementation
+    return PlanSettings(**fields)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .memory import ModelSpec, plan
+    from .memory.render import plan_table, plot_plan
+
+    model = ModelSpec.from_config(args.model)
+    common: dict[str, Any] = {
+        "gpu": args.gpu,
+        "gpus": args.gpus,
+        "runtime": args.runtime,
+        "kv_dtype": args.kv_dtype,
+        "weights_dtype": args.weights_dtype,
+        "settings": _plan_settings(args),
+        **_runtime_settings(args),
+    }
+    result = plan(model, context=args.context, concurrency=args.concurrency, **common)
+    if args.plot:
+        plot_plan(result, args.plot, model=model, max_context=model.max_context, **common)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(plan_table(result))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0 if result.fits else 1
+
+
+def _recommend(args: argparse.Namespace) -> int:
+    from .memory import ModelSpec, recommend
+    from .memory.render import recommend_table
+
+    model = ModelSpec.from_config(args.model)
+    options = recommend(
+        model,
+        context=args.context,
+        concurrency=args.concurrency,
+        runtime=args.runtime,
+        kv_dtype=args.kv_dtype,
+        weights_dtype=args.weights_dtype,
+        max_gpus=args.max_gpus,
+        kinds=tuple(args.kind) if args.kind else None,
+        settings=_plan_settings(args),
+        **_runtime_settings(args),
+    )
+    if args.json:
+        print(json.dumps({"model": model.name, "options": [o.to_dict() for o in options]}))
+    else:
+        title = (
+            f"GPUs for {model.name}: {args.concurrency} × {args.context:,} tokens on {args.runtime}, "
+            "cheapest first by total memory"
+        )
+        print(recommend_table(options, title))
+    return 0 if options else 1
+
+
+def _memory_options(parser: argparse.ArgumentParser, *, gpu: bool) -> None:
+    from .memory.dtypes import kv_dtype_names, weights_dtype_names
+
+    parser.add_argument("--model", required=True, help="config.json file or folder, hub id, or catalog name")
+    parser.add_argument(
+        "--runtime", default="vllm" if gpu else "transformers", help="transformers | vllm | sglang | llama.cpp"
+    )
+    parser.add_argument("--kv-dtype", default="auto", help=f"one of: {', '.join(kv_dtype_names())}")
+    parser.add_argument("--block-size", type=int, help="vLLM block size in tokens (default 16; MLA 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="vLLM prefill chunk (default 8192)")
+    parser.add_argument("--phase", choices=["plan", "steady"], help="vLLM sliding layers: while admitting or decoding")
+    parser.add_argument("--no-hybrid-manager", action="store_true", help="vLLM with the hybrid KV manager off")
+    parser.add_argument("--n-ubatch", type=int, help="llama.cpp micro-batch (default 512)")
+    parser.add_argument("--swa-full", action="store_true", help="llama.cpp --swa-full")
+    parser.add_argument("--kv-unified", action="store_true", help="llama.cpp --kv-unified (one pool for all slots)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    if gpu:
+        parser.add_argument("--weights-dtype", default="auto", help=f"one of: {', '.join(weights_dtype_names())}")
+        parser.add_argument("--context", type=int, required=True, help="tokens per sequence")
+        parser.add_argument("--concurrency", type=int, default=1, help="sequences held at once")
+        parser.add_argument("--gpu-memory-utilization", type=float, help="vLLM share of GPU memory (default 0.9)")
+        parser.add_argument("--attn-implementation", help="transformers: sdpa (default), eager, flash_attention_2")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="contextkeeper", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +206,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     count.add_argument("--json", action="store_true", help="print one JSON object")
     count.set_defaults(func=_count)
+
+    kv = sub.add_parser("kv", help="KV cache bytes of a model for tokens × sequences on a runtime")
+    _memory_options(kv, gpu=False)
+    kv.add_argument("--tokens", type=int, required=True, help="tokens per sequence")
+    kv.add_argument("--sequences", type=int, default=1, help="sequences (default 1)")
+    kv.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (vllm, sglang): bytes per GPU")
+    kv.set_defaults(func=_kv)
+
+    plan = sub.add_parser("plan", help="does this model at this context and concurrency fit this GPU?")
+    _memory_options(plan, gpu=True)
+    plan.add_argument("--gpu", required=True, help='GPU name ("RTX 4090", "H100", "A100 40GB") or a size ("48GB")')
+    plan.add_argument("--gpus", type=int, default=1, help="GPU count (tensor parallel on vllm/sglang)")
+    plan.add_argument("--plot", help="write a PNG: memory by part against context length")
+    plan.set_defaults(func=_plan)
+
+    rec = sub.add_parser("recommend", help="which GPUs (model × count) fit this workload, cheapest first")
+    _memory_options(rec, gpu=True)
+    rec.add_argument("--max-gpus", type=int, default=8, help="most cards per option (default 8)")
+    rec.add_argument("--kind", action="append", help="only consumer / workstation / datacenter / apple (repeatable)")
+    rec.set_defaults(func=_recommend)
 
     demo = sub.add_parser("demo", help="count a sample agent conversation offline, turn by turn")
     demo.add_argument("--tokenizer", default="mistral:tekken", help="tokenizer spec (default: mistral:tekken)")
