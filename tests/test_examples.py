@@ -15,3 +15,10 @@ def test_count_conversation_example() -> None:
     )
     assert "prompt tokens for 11 messages" in done.stdout
     assert "after one more turn" in done.stdout
+
+
+def test_plan_gpu_example() -> None:
+    done = subprocess.run([sys.executable, str(EXAMPLES / "plan_gpu.py")], capture_output=True, text=True, check=True)
+    assert "vllm" in done.stdout
+    assert "RTX 4090, 4 × 32K on vLLM: does not fit" in done.stdout
+    assert "cheapest GPU options" in done.stdout

@@ -102,8 +102,9 @@ def test_mla_latent_on_servers_and_decompressed_in_transformers() -> None:
     assert model.kv_bytes(1000, runtime="sglang") == 1000 * 70_272
     # The latent is replicated on every GPU: tensor parallelism does not shrink it.
     assert model.kv_bytes(4096, runtime="vllm", tp=8) == model.kv_bytes(4096, runtime="vllm")
-    # fp8: 576 B per layer
+    # fp8: 576 B per layer; the packed fp8_ds_mla format: 656 B per layer
     assert model.kv(64, runtime="vllm", kv_dtype="fp8").bytes_per_token == 576 * 61
+    assert model.kv(64, runtime="vllm", kv_dtype="fp8_ds_mla").bytes_per_token == 656 * 61
     # transformers 5 caches the latent too (4.x cached 128 heads × (192 + 128) × 2 B = 81,920 B per layer)
     assert model.kv(10, runtime="transformers").bytes_per_token == 70_272
     # llama.cpp since the V-less cache: K of 576 f16 values only; before it, V of 512 too.

@@ -61,6 +61,17 @@ def test_released_quantisation_is_the_default() -> None:
     assert 12.5 * 2**30 < report.bytes < 13.5 * 2**30  # the released checkpoint is about 13 GB
 
 
+def test_vision_tower_parameters_come_from_the_catalog() -> None:
+    gemma = ModelSpec.from_config("gemma-3-27b")
+    report = weights_report(gemma)
+    text_only = param_count(gemma).total
+    assert gemma.published_params is not None
+    assert gemma.published_params > text_only
+    assert report.params == gemma.published_params
+    assert report.bytes == 2 * gemma.published_params
+    assert any("vision" in note for note in report.notes)
+
+
 def test_weights_from_safetensors_metadata(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256

@@ -242,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ContextKeeperError as exc:
         print(f"contextkeeper: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `contextkeeper recommend ... | head`: the reader left; that is not an error
+        sys.stderr.close()
+        return 0
     return result
 
 

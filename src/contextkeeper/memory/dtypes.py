@@ -60,6 +60,8 @@ _add("kv,w", DType(name="bf16", block_bytes=2), "bfloat16")
 _add("kv,w", DType(name="fp8", block_bytes=1, note="e4m3 or e5m2; per-tensor scales cost no cache bytes"), "float8")
 _add("kv", DType(name="fp8_e4m3", block_bytes=1), "float8_e4m3fn", "fp8e4m3")
 _add("kv", DType(name="fp8_e5m2", block_bytes=1), "float8_e5m2", "fp8e5m2")
+# vLLM's packed sparse-MLA format: 656 bytes per token and layer (512 fp8 latent, 4 fp32 scales, 64 bf16 rope).
+_add("kv", DType(name="fp8_ds_mla", block_bytes=1, note="vLLM MLA only: 656 B per token and layer"))
 # llama.cpp cache and weight blocks (ggml-common.h): data plus fp16 scale (and min) per 32 values.
 _add("kv,w", DType(name="q8_0", block_bytes=34, block_values=32))
 _add("kv,w", DType(name="q5_0", block_bytes=22, block_values=32))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._exceptions import ModelConfigError
+from . import catalog
 from .config import first, layer_kinds, load_config, max_context, positive, text_config
 from .dtypes import DType, dtype
 from .layers import (
@@ -166,6 +167,7 @@ class ModelSpec:
     vocab_size: int | None
     max_context: int | None
     config: dict[str, Any] = field(compare=False, repr=False)
+    published_params: int | None = None  # the catalog's parameter count (includes vision towers of VLMs)
 
     @classmethod
     def from_config(cls, source: Any, *, name: str | None = None) -> ModelSpec:
@@ -204,6 +206,7 @@ class ModelSpec:
         if shared:  # Gemma 3n: the last layers reuse earlier layers' KV
             layers[count - shared :] = [NoCache(reason="reuses an earlier layer's KV")] * shared
         vocab = first(config, "vocab_size", "padded_vocab_size")
+        entry = catalog.find(display) if origin == "catalog" else None
         return cls(
             name=label,
             model_type=str(config.get("model_type") or "unknown"),
@@ -216,6 +219,7 @@ class ModelSpec:
             vocab_size=vocab if isinstance(vocab, int) else None,
             max_context=max_context(config),
             config=config,
+            published_params=entry.params if entry is not None else None,
         )
 
     def kinds(self) -> dict[str, int]:

@@ -439,17 +439,20 @@ def _advise(work: _Workload, context: int, concurrency: int, current_kv: str) ->
     """The fixes, cheapest first: settings, then model changes, then hardware."""
     out: list[Advice] = []
 
-    def consider(action: str, setting: str, cost: str, changed: _Workload) -> None:
+    def consider(
+        action: str, setting: str, cost: str, changed: _Workload, *, at: tuple[int, int] | None = None
+    ) -> None:
+        n_context, n_seqs = at or (context, concurrency)
         try:
-            ok = changed.fits(context, concurrency)
-            longest = changed.max_context(concurrency)
-            most = changed.max_concurrency(context)
+            ok = changed.fits(n_context, n_seqs)
+            longest = changed.max_context(n_seqs)
+            most = changed.max_concurrency(n_context)
         except ConfigurationError:
             return
-        if ok:
-            effect = f"fits: {most} sequences of {context:,} tokens, or {longest:,} tokens each for {concurrency}"
-        else:
-            effect = f"still short: {most} sequences of {context:,} fit, or {longest:,} tokens each for {concurrency}"
+        cap = " (the model's limit)" if longest and longest == changed.model.max_context else ""
+        seqs = f"{most} sequence{'' if most == 1 else 's'} of {n_context:,} tokens"
+        each = f"{longest:,} tokens each{cap} for {n_seqs}"
+        effect = f"fits: {seqs}, or {each}" if ok else f"still short: {seqs} fit, or {each}"
         out.append(
             Advice(
                 action=action,
@@ -474,9 +477,15 @@ def _advise(work: _Workload, context: int, concurrency: int, current_kv: str) ->
     longest = work.max_context(concurrency)
     most = work.max_concurrency(context)
     if 0 < longest < context:
-        consider(f"shorten the context to {longest:,} tokens", f"--context {longest}", "none", work)
+        consider(
+            f"shorten the context to {longest:,} tokens",
+            f"--context {longest}",
+            "none",
+            work,
+            at=(longest, concurrency),
+        )
     if 0 < most < concurrency:
-        consider(f"serve {most} sequences at a time", f"--concurrency {most}", "none", work)
+        consider(f"serve {most} sequences at a time", f"--concurrency {most}", "none", work, at=(context, most))
     if runtime == "vllm":
         if work.settings.gpu_memory_utilization < 0.95:
             consider(

@@ -70,11 +70,12 @@ def plan_table(result: Plan) -> str:
 def recommend_table(options: Sequence[Recommendation], title: str) -> str:
     if not options:
         return f"{title}\nno GPU in the catalog fits this workload with up to 8 cards"
-    head = f"{'GPU':<34} {'count':>5} {'memory':>11} {'max context':>12} {'max conc.':>9} {'headroom':>10}"
+    width = max(len(r.gpu) for r in options)
+    head = f"{'GPU':<{width}} {'count':>5} {'memory':>11} {'max context':>12} {'max conc.':>9} {'headroom':>10}"
     lines = [title, head, "-" * len(head)]
     for r in options:
         lines.append(
-            f"{r.gpu:<34} {r.count:>5} {human(r.total_memory):>11} {r.max_context:>12,} "
+            f"{r.gpu:<{width}} {r.count:>5} {human(r.total_memory):>11} {r.max_context:>12,} "
             f"{r.max_concurrency:>9,} {human(r.headroom):>10}"
         )
     return "\n".join(lines)
@@ -99,7 +100,7 @@ def plot_plan(result: Plan, path: str | Path, *, model: Any, **plan_args: Any) -
         parts["overhead"].append(b.overhead / 2**30)
         parts["prefill peak"].append(b.prefill_peak / 2**30)
         parts["KV cache"].append(b.kv_cache / 2**30)
-    figure, axis = plt.subplots(figsize=(9, 5.5))
+    figure, axis = plt.subplots(figsize=(11, 5.5))
     axis.stackplot(xs, *parts.values(), labels=list(parts), alpha=0.8)
     axis.axhline(result.breakdown.capacity / 2**30, color="black", linestyle="-", label="capacity")
     for steps in (2, 4, 8, 16):
@@ -115,7 +116,7 @@ def plot_plan(result: Plan, path: str | Path, *, model: Any, **plan_args: Any) -
         f"{result.concurrency} sequence(s)",
         fontsize=10,
     )
-    axis.legend(loc="upper left", fontsize=8)
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     figure.tight_layout()
     out = Path(path)
     figure.savefig(out, dpi=110)

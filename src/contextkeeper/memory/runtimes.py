@@ -110,6 +110,11 @@ class Runtime:
 def _per_gpu_heads(kv_heads: int, tp: int, model: ModelSpec) -> int:
     if tp == 1:
         return kv_heads
+    if model.num_attention_heads % tp:
+        raise ConfigurationError(
+            f"{model.name}: {model.num_attention_heads} attention heads cannot be split over tp={tp} GPUs; "
+            "choose --tp (or --gpus) among the divisors of the head count"
+        )
     if kv_heads % tp and tp % kv_heads:
         raise ConfigurationError(
             f"{model.name}: {kv_heads} KV heads cannot be split over tp={tp} GPUs (one must divide the other); "
@@ -209,7 +214,7 @@ class VLLM(Runtime):
     """vLLM's v1 engine: paged blocks, the hybrid allocator, MLA latents, tensor parallelism."""
 
     name = "vllm"
-    kv_dtypes = ("fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")
+    kv_dtypes = ("fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 
     def auto_dtype(self, model: ModelSpec) -> tuple[DType, str | None]:
         if model.dtype.name == "fp32":
@@ -222,6 +227,8 @@ class VLLM(Runtime):
         plan = settings.phase == "plan"
         notes: list[str] = []
         out: list[LayerSpec] = []
+        if kv.name == "fp8_ds_mla" and not any(isinstance(layer, MLAttention) for layer in model.layers):
+            raise ConfigurationError(f"fp8_ds_mla is vLLM's MLA cache format; {model.name} has no MLA layers")
         for layer in model.layers:
             if isinstance(layer, SlidingAttention):
                 heads = _per_gpu_heads(layer.kv_heads, settings.tp, model)
@@ -242,7 +249,10 @@ class VLLM(Runtime):
                 out.append(replace(layer, kv_heads=heads, dtype=kv, block=block))
             elif isinstance(layer, MLAttention):
                 # One latent "head", replicated on every GPU; MLA kernels want larger blocks (FlashMLA: 64).
-                out.append(replace(layer, dtype=kv, v_dim=0, block=settings.block_size or 64))
+                packed = 656 if kv.name == "fp8_ds_mla" else None
+                out.append(
+                    replace(layer, dtype=kv, v_dim=0, block=settings.block_size or 64, token_bytes_override=packed)
+                )
             elif isinstance(layer, RecurrentState):
                 state_dtype = _state_dtype(model) or model.dtype
                 copies = {"none": 1, "align": 2, "all": 1}[settings.mamba_cache_mode]

@@ -200,6 +200,10 @@ def weights_report(model: ModelSpec, weights_dtype: str = "auto", *, folder: str
             return WeightsReport(bytes=size, params=param_count(model).total, dtype="as stored", source=how)
     counts = param_count(model)
     notes: list[str] = []
+    # Parameters outside the text decoder (a VLM's vision tower) that the catalog knows of: loaded in 16 bits.
+    extra = max(0, (model.published_params or 0) - counts.total)
+    if extra:
+        notes.append(f"{extra:,} parameters outside the text decoder (vision encoder), from the catalog")
     if weights_dtype == "auto":
         base, quant, note = _checkpoint_dtype(model)
         if note:
@@ -215,8 +219,8 @@ def weights_report(model: ModelSpec, weights_dtype: str = "auto", *, folder: str
     else:
         quantised = counts.linear if quant is not None else 0
     size = quant.bytes_for(quantised) if quant is not None else 0
-    size += base.bytes_for(counts.total - quantised)
-    return WeightsReport(bytes=size, params=counts.total, dtype=name, source="config", notes=tuple(notes))
+    size += base.bytes_for(counts.total - quantised + extra)
+    return WeightsReport(bytes=size, params=counts.total + extra, dtype=name, source="config", notes=tuple(notes))
 
 
 def _safetensors_bytes(folder: Path) -> tuple[int, str] | None:
