@@ -19,6 +19,7 @@ from ._exceptions import (
     UnknownModel,
     UnsupportedContent,
 )
+from .keeper import ContextKeeper, Fit, FitReport, InvariantViolation, RequestTooLarge
 from .memory import (
     GPU,
     DetectedGPU,
@@ -34,6 +35,7 @@ from .memory import (
     recommend,
 )
 from .messages import ContentPart, Conversation, FunctionCall, Message, ToolCall, Unit, raw_view, server_view
+from .policy import Policy, PolicyError, load_policy
 from .tokens import (
     Breakdown,
     HFChatTemplateCounter,
@@ -53,13 +55,17 @@ __all__ = [
     "ChatTemplateError",
     "ConfigurationError",
     "ContentPart",
+    "ContextKeeper",
     "ContextKeeperError",
     "Conversation",
     "CountingError",
     "DetectedGPU",
+    "Fit",
+    "FitReport",
     "FunctionCall",
     "HFChatTemplateCounter",
     "InvalidMessage",
+    "InvariantViolation",
     "KVReport",
     "Measurement",
     "MediaCost",
@@ -72,7 +78,10 @@ __all__ = [
     "OrphanToolResult",
     "Plan",
     "PlanSettings",
+    "Policy",
+    "PolicyError",
     "Recommendation",
+    "RequestTooLarge",
     "TokenCounter",
     "TokenizerNotFound",
     "ToolCall",
@@ -86,6 +95,7 @@ __all__ = [
     "find_gpu",
     "gpu_catalog",
     "load_counter",
+    "load_policy",
     "plan",
     "raw_view",
     "recommend",

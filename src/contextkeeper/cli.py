@@ -57,6 +57,48 @@ def _count(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit(args: argparse.Namespace) -> int:
+    from .keeper import ContextKeeper
+
+    messages = _read_json(args.messages, "messages")
+    tools = _read_json(args.tools, "tools") if args.tools else None
+    template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+    keeper = ContextKeeper(args.tokenizer, chat_template=template, context_window=args.context, policy=args.policy)
+    fit = keeper.fit(messages, tools=tools, max_tokens=args.max_tokens)
+    if args.json:
+        print(json.dumps({"messages": fit.messages, "tokens": fit.tokens, "report": fit.report.to_dict()}))
+        return 0
+    report = fit.report
+    rows = [(slot, str(tokens)) for slot, tokens in report.slots.items()]
+    rows += [
+        ("prompt", str(fit.tokens)),
+        ("limit", f"{report.limit} ({report.limit_source})"),
+        ("messages", f"{report.messages_before} -> {report.messages_after}"),
+    ]
+    if report.tokens_before is not None:
+        rows.append(("prompt before", str(report.tokens_before)))
+    print(_table(rows, f"fit — {args.tokenizer}, policy {report.policy}, {report.seconds * 1000:.0f} ms"))
+    for action in report.actions:
+        print(f"{action.strategy}: {action.detail} (saved {action.saved} tokens)")
+    for note in report.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _policy(args: argparse.Namespace) -> int:
+    from .policy import load_policy, validate_policy_files
+
+    problems = validate_policy_files(args.files)
+    for _, problem in problems:
+        print(f"invalid: {problem}", file=sys.stderr)
+    for path in args.files:
+        if all(str(path) != str(bad) for bad, _ in problems):
+            policy = load_policy(path)
+            steps = " -> ".join(step.strategy for step in policy.steps) or "(sliding window only)"
+            print(f"ok: {path}: policy {policy.name!r}: {steps} -> sliding_window")
+    return 1 if problems else 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -206,6 +248,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     count.add_argument("--json", action="store_true", help="print one JSON object")
     count.set_defaults(func=_count)
+
+    fit = sub.add_parser("fit", help="the prompt that fits: reserve request, answer and tools, then fit history")
+    fit.add_argument("--tokenizer", required=True, help="folder, .gguf file, hub id, or mistral:<name>")
+    fit.add_argument("--chat-template", help="Jinja file overriding the tokenizer's chat template")
+    fit.add_argument("--messages", required=True, help="JSON list of OpenAI-format messages")
+    fit.add_argument("--tools", help="JSON list of OpenAI tool schemas")
+    fit.add_argument("--context", type=int, required=True, help="context window in tokens")
+    fit.add_argument("--max-tokens", type=int, required=True, help="tokens reserved for the answer")
+    fit.add_argument("--policy", default="default", help="built-in policy name, a .toml file, or auto")
+    fit.add_argument("--json", action="store_true", help="print one JSON object")
+    fit.set_defaults(func=_fit)
+
+    policy = sub.add_parser("policy", help="policy files")
+    policy_sub = policy.add_subparsers(dest="action", required=True)
+    validate = policy_sub.add_parser("validate", help="check policy files (TOML); exit 1 on any error")
+    validate.add_argument("files", nargs="+", help="policy .toml files")
+    validate.set_defaults(func=_policy)
 
     kv = sub.add_parser("kv", help="KV cache bytes of a model for tokens × sequences on a runtime")
     _memory_options(kv, gpu=False)

@@ -51,6 +51,10 @@ class SplitTemplate:
     tail: Template
     target: str  # the loop variable's name
     reach: int  # how far the body looks at neighbours: messages[loop.index0 ± reach]
+    # Whether the body reads its position (loop.index / index0 other than to pick a neighbour). When it does not,
+    # a body's output depends only on its window and on being first or last, so it can be reused when the
+    # window shifts (a conversation whose oldest messages were dropped).
+    positional: bool = True
 
 
 def _walk(root: nodes.Node) -> Iterator[nodes.Node]:
@@ -186,7 +190,50 @@ def split_template(template: Template, source: str) -> SplitTemplate | None:
         tail = env.from_string(tail_root)
     except Exception:
         return None
-    return SplitTemplate(marked=marked, head=head, body=body, tail=tail, target=loop.target.name, reach=reach)
+    return SplitTemplate(
+        marked=marked,
+        head=head,
+        body=body,
+        tail=tail,
+        target=loop.target.name,
+        reach=reach,
+        positional=_reads_position(body_root, parents),
+    )
+
+
+def _reads_position(body: nodes.Template, parents: dict[int, nodes.Node]) -> bool:
+    """Whether the body uses ``loop.index``/``loop.index0`` for anything but ``messages[loop.index0 ± c]``."""
+    for node in _walk(body):
+        if not (
+            isinstance(node, nodes.Getattr)
+            and node.attr in ("index", "index0")
+            and isinstance(node.node, nodes.Name)
+            and node.node.name == "loop"
+        ):
+            continue
+        parent = parents.get(id(node))
+        child: nodes.Node = node
+        first = 0 if node.attr == "index0" else 1
+        if (
+            isinstance(parent, nodes.Compare)
+            and parent.expr is node
+            and len(parent.ops) == 1
+            and parent.ops[0].op in ("eq", "ne")
+            and isinstance(parent.ops[0].expr, nodes.Const)
+            and parent.ops[0].expr.value == first
+        ):
+            continue  # loop.index0 == 0 is loop.first, which the memo key holds
+        if isinstance(parent, (nodes.Add, nodes.Sub)) and node.attr == "index0":
+            child, parent = parent, parents.get(id(parent))
+        if not (
+            node.attr == "index0"
+            and isinstance(parent, nodes.Getitem)
+            and parent.arg is child
+            and isinstance(parent.node, nodes.Name)
+            and parent.node.name == "messages"
+        ):
+            return True
+    return False
 
 
 # Written after every loop iteration by the marked template, to cut one whole render into per-message outputs.
@@ -307,12 +354,38 @@ class IncrementalRenderer:
             for flag_index in (old_last, count - 1):  # the only places where loop.last can differ
                 if reuse_from <= flag_index < reuse_to and (flag_index == old_last) != (flag_index == count - 1):
                     reuse_to = flag_index
-        if count - (reuse_to - reuse_from) > _BATCH:
+        positional = split.positional
+
+        def key_of(index: int, window: tuple[Any, ...]) -> Any:
+            if positional:
+                return (index, index == count - 1)
+            return (index == 0, index == count - 1, *map(id, window))
+
+        # Look every body up first: only when many are new is one whole (marked) render cheaper.
+        found: list[str | None] = []
+        misses = 0
+        for index in range(count):
+            if reuse_from <= index < reuse_to:
+                found.append(None)
+                continue
+            window = _window(messages, index, reach)
+            known = memo.get(key_of(index, window))
+            if (
+                known is not None
+                and len(known[0]) == len(window)
+                and all(a is b for a, b in zip(known[0], window, strict=True))
+            ):
+                found.append(known[1])
+            else:
+                found.append(None)
+                misses += 1
+        if misses > _BATCH:
             cut = self._render_marked(context, head_text, count)
             if cut is not None:
                 bodies, tail_text = cut
                 for index, text in enumerate(bodies):
-                    memo[(index, index == count - 1)] = (_window(messages, index, reach), text)
+                    window = _window(messages, index, reach)
+                    memo[key_of(index, window)] = (window, text)
                 self._previous[generation] = (list(messages), bodies, self._next_serial(-1, 0))
                 self._keep_newest(self._previous)
                 return "".join([head_text, *bodies, tail_text])
@@ -323,19 +396,14 @@ class IncrementalRenderer:
                 self.reused += reuse_to - reuse_from
                 index = reuse_to
                 continue
-            window = _window(messages, index, reach)
-            key = (index, index == count - 1)
-            known = memo.get(key)
-            if (
-                known is not None
-                and len(known[0]) == len(window)
-                and all(a is b for a, b in zip(known[0], window, strict=True))
-            ):
-                texts.append(known[1])
+            known_text = found[index]
+            if known_text is not None:
+                texts.append(known_text)
                 self.reused += 1
             else:
+                window = _window(messages, index, reach)
                 text = body.render({**scope, split.target: messages[index], "loop": LoopState(index, count)})
-                memo[key] = (window, text)
+                memo[key_of(index, window)] = (window, text)
                 texts.append(text)
             index += 1
         # How far this render's text provably equals the previous one's: identical body outputs in order.

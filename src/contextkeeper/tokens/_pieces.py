@@ -179,6 +179,7 @@ class PieceCounter:
         self._anchor = anchor
         self._after = _Generational(cache_entries)
         self._first = _Generational(1024)
+        self._alone = _Generational(16_384)
         self.fast = self._split is not None and anchor is not None and not self.has_single_word
         self.encoded_chars = 0  # characters sent to the tokenizer so far: what caching saves is visible here
         # The previous text and its checkpoints, for resuming; off when tokens swallow whitespace, since such a
@@ -248,6 +249,16 @@ class PieceCounter:
             self._last, self._bounds, self._totals = text, bounds, totals
         return total
 
+    def alone(self, text: str) -> int:
+        """Tokens of ``text`` encoded on its own, from a cache keyed by the text; the resume state of
+        :meth:`count` is left alone, so counting snippets between prompts costs the prompts nothing."""
+        cached = self._alone.get(text)
+        if cached is None:
+            cached = len(self._backend.encode(text, add_special_tokens=False).ids)
+            self.encoded_chars += len(text)
+            self._alone.put(text, cached)
+        return int(cached)
+
     def _resume_point(self, text: str, known: int | None = None) -> tuple[int, int, int]:
         """Where counting ``text`` may start: the last checkpoint of the previous text that lies wholly inside
         the prefix both texts share — ``(offset, tokens before it, checkpoints kept)``, or zeros."""
@@ -295,6 +306,7 @@ class PieceCounter:
     def clear(self) -> None:
         self._after.clear()
         self._first.clear()
+        self._alone.clear()
         self.encoded_chars = 0
         self._last, self._bounds, self._totals = "", [], []
         self._last_id = None

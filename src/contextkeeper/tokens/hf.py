@@ -310,6 +310,13 @@ class HFChatTemplateCounter:
         with self._lock:
             return self._pieces.count(text, lineage=lineage)
 
+    def text_tokens(self, text: str) -> int:
+        """Tokens of a snippet on its own (no template, no special tokens), cached by text."""
+        if self._pieces is None:
+            return len(self.tokenizer.encode(text, add_special_tokens=False))
+        with self._lock:
+            return self._pieces.alone(text)
+
     @property
     def encoded_chars(self) -> int:
         """Characters handed to the tokenizer so far; cached pieces cost nothing here."""

@@ -106,6 +106,11 @@ class MistralCounter:
         """The mistral-common ``MistralTokenizer`` used for serving-mode encodes."""
         return self._serving
 
+    def text_tokens(self, text: str) -> int:
+        """Tokens of a snippet on its own with this tokenizer (no BOS/EOS, no template)."""
+        raw = self._serving.instruct_tokenizer.tokenizer
+        return len(raw.encode(text, bos=False, eos=False))
+
     def count(self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True) -> int:
         """Exact prompt tokens as mistral-common encodes them."""
         return self.measure(messages, tools=tools, add_generation_prompt=add_generation_prompt).tokens

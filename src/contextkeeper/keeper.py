@@ -1,0 +1,411 @@
+"""ContextKeeper: reserve-then-budget fitting of a conversation into the model's context.
+
+The order is the seed's: the new request (never trimmed), the answer (``max_tokens``), the tools (as the
+template renders them), then history, made to fit by the policy's strategies, cheapest first, and closed by a
+sliding window over whole units. Every count is the template's exact count; every fit is checked against its
+invariants before it is returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._exceptions import ConfigurationError, ContextKeeperError, MessageError
+from .messages import Conversation, MessageLike
+from .policy import Policy, resolve_policy
+from .strategies.base import Action, FitState, Item, LLMCall, Unit, run_sync
+from .strategies.sliding_window import SlidingWindow
+from .tokens import TokenCounter, load_counter
+
+__all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge"]
+
+
+class RequestTooLarge(ContextKeeperError, ValueError):
+    """The parts that are never trimmed (system prompt, tools, the new request) plus the answer do not fit."""
+
+    def __init__(self, message: str, *, needed: int, limit: int) -> None:
+        self.needed = needed
+        self.limit = limit
+        super().__init__(message)
+
+
+class InvariantViolation(ContextKeeperError, AssertionError):
+    """A fit broke one of its guarantees (a bug in a strategy): the fit is refused rather than returned."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitReport:
+    """What a fit did: the limit and where it came from, every slot, each strategy's savings, the time."""
+
+    limit: int
+    limit_source: str
+    max_tokens: int
+    tokens: int
+    tokens_before: int | None  # None when history beyond the horizon was never read (counting it costs time)
+    slots: dict[str, int]
+    history_before: int | None
+    history_after: int
+    messages_before: int
+    messages_after: int
+    unread: int  # messages beyond the horizon, dropped without being read
+    actions: tuple[Action, ...]
+    seconds: float
+    policy: str
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["actions"] = [dataclasses.asdict(a) for a in self.actions]
+        data["notes"] = list(self.notes)
+        return data
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The fitted prompt: ``messages`` in the caller's format, ``tokens`` its exact count, and the report."""
+
+    messages: list[Any]
+    tokens: int
+    report: FitReport
+
+
+def _role(message: Any) -> str:
+    role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+    return str(role) if role is not None else ""
+
+
+def _chars(message: Any) -> int:
+    content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+    if isinstance(content, str):
+        size = len(content)
+    elif isinstance(content, list):
+        size = sum(len(str(part.get("text", ""))) if isinstance(part, dict) else 16 for part in content)
+    else:
+        size = 0
+    calls = message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)
+    return size + (len(str(calls)) if calls else 0)
+
+
+def _text_counter(counter: Any) -> Any:
+    method = getattr(counter, "text_tokens", None)
+    if method is not None:
+        return method
+
+    def marginal(text: str) -> int:  # any counter: what the text adds to a user message
+        return int(counter.count([{"role": "user", "content": text}])) - int(
+            counter.count([{"role": "user", "content": ""}])
+        )
+
+    return marginal
+
+
+@dataclass
+class _Session:
+    """What a keeper remembers between fits."""
+
+    turn: int = 0
+    memory: dict[str, Any] = field(default_factory=dict)
+
+
+class ContextKeeper:
+    """Fits conversations into a model's context, exactly.
+
+    ``tokenizer``: a tokenizer folder, a .gguf file, a hub id, ``mistral:<name>``, a transformers tokenizer or a
+    ready :class:`TokenCounter`. The limit is the smallest of ``context_window``, the model's own maximum (when
+    ``model`` is given) and, with ``gpu``, the longest context per sequence that fits at ``concurrency``.
+    ``policy``: a built-in name, a .toml file, a :class:`Policy`, or ``"auto"`` to match by model name.
+    ``summarizer``: a callable taking an :class:`LLMCall` and returning text, for the summarize strategy.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        context_window: int | None = None,
+        chat_template: str | None = None,
+        policy: str | Policy | None = "default",
+        model: Any = None,
+        gpu: Any = None,
+        concurrency: int = 1,
+        runtime: str = "vllm",
+        kv_dtype: str = "auto",
+        summarizer: Any = None,
+    ) -> None:
+        if tokenizer is None:
+            raise ConfigurationError(
+                "ContextKeeper needs tokenizer=... (a folder, .gguf file, hub id or mistral:<name>)"
+            )
+        self.counter: TokenCounter = self._counter(tokenizer, chat_template)
+        self.name = str(getattr(self.counter, "name", tokenizer))
+        self.model = None
+        limits: list[tuple[int, str]] = []
+        if context_window is not None:
+            if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window <= 0:
+                raise ConfigurationError(f"context_window must be a positive integer, got {context_window!r}")
+            limits.append((context_window, "context_window"))
+        if model is not None:
+            from .memory import ModelSpec
+
+            self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
+            if self.model.max_context:
+                limits.append((self.model.max_context, f"the model's maximum context ({self.model.name})"))
+            if gpu is not None:
+                from .memory import plan
+
+                wanted = min(n for n, _ in limits)
+                result = plan(
+                    self.model, gpu, context=wanted, concurrency=concurrency, runtime=runtime, kv_dtype=kv_dtype
+                )
+                limits.append(
+                    (
+                        max(0, result.max_context),
+                        f"the GPU ({result.gpu}, {runtime}, {concurrency} concurrent sequence(s))",
+                    )
+                )
+        elif gpu is not None:
+            raise ConfigurationError("gpu=... needs model=... too (the KV cache per token comes from the model config)")
+        if not limits:
+            raise ConfigurationError("set context_window=N (or model=... so the model's maximum context applies)")
+        self.limit, self.limit_source = min(limits, key=lambda pair: pair[0])
+        if self.limit <= 0:
+            raise ConfigurationError(f"no context fits: {self.limit_source} allows 0 tokens; use fewer sequences")
+        self.policy = resolve_policy(policy, self.model.name if self.model else self.name)
+        self.pipeline = self.policy.pipeline()
+        self.summarizer = summarizer
+        self._text_tokens = _text_counter(self.counter)
+        self._session = _Session()
+        self._previous: Conversation | None = None
+        self.last_fit: Fit | None = None
+
+    @staticmethod
+    def _counter(tokenizer: Any, chat_template: str | None) -> TokenCounter:
+        if isinstance(tokenizer, str):
+            return load_counter(tokenizer, chat_template=chat_template)
+        if hasattr(tokenizer, "apply_chat_template"):
+            from .tokens import HFChatTemplateCounter
+
+            return HFChatTemplateCounter(tokenizer, chat_template=chat_template)
+        if callable(getattr(tokenizer, "count", None)):
+            return tokenizer  # type: ignore[no-any-return]
+        raise ConfigurationError(
+            "tokenizer must be a spec string, a transformers tokenizer or a TokenCounter, got "
+            f"{type(tokenizer).__name__}"
+        )
+
+    # ------------------------------------------------------------------------------------------ fit
+    def fit(
+        self, messages: Sequence[MessageLike], *, tools: Sequence[Any] | None = None, max_tokens: int | None = None
+    ) -> Fit:
+        """The longest prompt that fits with ``max_tokens`` reserved for the answer, keeping what matters."""
+        started = time.perf_counter()
+        answer = self.policy.answer_tokens if max_tokens is None else max_tokens
+        if isinstance(answer, bool) or not isinstance(answer, int) or answer <= 0:
+            raise ConfigurationError(f"max_tokens must be a positive integer, got {answer!r}")
+        if not isinstance(messages, (list, tuple)):
+            raise MessageError(
+                f"expected a list of messages, got {type(messages).__name__}",
+                index=None,
+                fix="pass a list such as [{'role': 'user', 'content': '...'}]",
+            )
+        tool_list = list(tools) if tools else None
+        roles = [_role(m) for m in messages]
+        sys_end = 0
+        while sys_end < len(roles) and roles[sys_end] in ("system", "developer"):
+            sys_end += 1
+        last_user = max((i for i in range(sys_end, len(roles)) if roles[i] == "user"), default=len(roles))
+        horizon = self._horizon(messages, roles, sys_end, last_user, answer)
+        kept_indices = list(range(sys_end)) + list(range(horizon, len(messages)))
+        selected = [messages[i] for i in kept_indices]
+        conversation = Conversation.from_messages(selected, previous=self._previous)
+        self._previous = conversation
+        items = [Item(message, index) for message, index in zip(conversation.messages, kept_indices, strict=True)]
+        system: Unit = tuple(items[:sys_end])
+        request: Unit = tuple(item for item in items[sys_end:] if item.origin is not None and item.origin >= last_user)
+        history: list[Unit] = []
+        for unit in conversation.units():
+            unit_items = tuple(items[i] for i in unit.indices)
+            if unit_items and unit_items[0].origin is not None and sys_end <= unit_items[0].origin < last_user:
+                history.append(unit_items)
+        if history and history[0][0].role != "user" and horizon > sys_end:
+            history = history[1:]  # the horizon always starts history on a user turn
+
+        counted: dict[tuple[int, ...], int] = {}
+
+        def count(units: Sequence[Unit]) -> int:
+            # Strategies and triggers ask for the same history more than once: count each distinct one once.
+            key = tuple(map(id, units))
+            known = counted.get(key)
+            if known is None:
+                chosen = [item.message for item in system]
+                for unit in units:
+                    chosen.extend(item.message for item in unit)
+                chosen.extend(item.message for item in request)
+                known = counted[key] = int(self.counter.count(chosen, tools=tool_list))
+            return known
+
+        prompt_limit = self.limit - answer
+        base = count(())
+        if base > prompt_limit:
+            raise self._too_large(base, answer, system, request, tool_list)
+        query = "\n".join(item.text() for item in request if item.role == "user")
+        state = FitState(
+            system=system,
+            history=tuple(history),
+            request=request,
+            limit=prompt_limit,
+            count=count,
+            text_tokens=self._text_tokens,
+            query=query,
+            turn=self._session.turn,
+            memory=self._session.memory,
+        )
+        before = state.tokens() if horizon <= sys_end else None
+        for strategy, trigger in self.pipeline:
+            if getattr(strategy, "needs_backend", False) and self.summarizer is None:
+                continue  # a summarising step without a summarizer: the sliding window covers it
+            if trigger(state):
+                state = run_sync(strategy, state, self._backend())
+        state = run_sync(SlidingWindow(), state)
+        final = [item for unit in (system, *state.history, request) for item in unit]
+        tokens = state.tokens()
+        self._check(final, tokens, prompt_limit, system, request, messages)
+        out = self._caller_format(final, conversation, kept_indices, messages)
+        slots = self._slots(system, request, tool_list, base, tokens, answer)
+        history_after = tokens - base
+        report = FitReport(
+            limit=self.limit,
+            limit_source=self.limit_source,
+            max_tokens=answer,
+            tokens=tokens,
+            tokens_before=before,
+            slots=slots,
+            history_before=(before - base) if before is not None else None,
+            history_after=history_after,
+            messages_before=len(messages),
+            messages_after=len(out),
+            unread=horizon - sys_end,
+            actions=state.actions,
+            seconds=time.perf_counter() - started,
+            policy=self.policy.name,
+            notes=(f"{horizon - sys_end} older message(s) beyond the horizon were dropped unread",)
+            if horizon > sys_end
+            else (),
+        )
+        self._session.turn += 1
+        fit = Fit(messages=out, tokens=tokens, report=report)
+        self.last_fit = fit
+        return fit
+
+    def _backend(self) -> Any:
+        if self.summarizer is None:
+            return None
+        summarizer = self.summarizer
+
+        def call(request: LLMCall) -> str:
+            return str(summarizer(request))
+
+        return call
+
+    def _horizon(self, messages: Sequence[Any], roles: list[str], sys_end: int, last_user: int, answer: int) -> int:
+        """The first history message worth reading: older units cannot fit even at ``policy.horizon`` characters
+        per token, so they are dropped without being validated or tokenized. 0 characters per token: read all."""
+        per_token = self.policy.horizon
+        if not per_token:
+            return sys_end
+        budget = (self.limit - answer) * per_token
+        used = 0
+        horizon = last_user
+        for index in range(last_user - 1, sys_end - 1, -1):
+            used += _chars(messages[index])
+            if roles[index] == "user":
+                if used > budget and horizon < last_user:
+                    break
+                horizon = index
+        else:
+            return sys_end
+        return horizon
+
+    def _too_large(
+        self, base: int, answer: int, system: Unit, request: Unit, tools: list[Any] | None
+    ) -> RequestTooLarge:
+        over = base + answer - self.limit
+        without_tools = int(self.counter.count([i.message for i in (*system, *request)])) if tools else base
+        return RequestTooLarge(
+            f"the parts that are never trimmed need {base:,} tokens (tools {base - without_tools:,}; system prompt, "
+            f"new request and template {without_tools:,}) plus {answer:,} reserved for the answer: {over:,} over "
+            f"the limit of {self.limit:,} ({self.limit_source}). Fix: lower max_tokens, send fewer or shorter tool "
+            "schemas, shorten the request or the system prompt, or raise context_window (a model with a longer "
+            "context, or fewer concurrent sequences on the GPU)",
+            needed=base + answer,
+            limit=self.limit,
+        )
+
+    def _check(
+        self, final: list[Item], tokens: int, prompt_limit: int, system: Unit, request: Unit, original: Sequence[Any]
+    ) -> None:
+        """The guarantees of every fit; a violation is a bug, so the fit is refused."""
+        problems = []
+        if tokens > prompt_limit:
+            problems.append(f"{tokens} prompt tokens exceed the {prompt_limit} available")
+        if any(item.origin != i for i, item in enumerate(system)):
+            problems.append("the system prompt was changed")
+        if any(item.origin is None for item in request):
+            problems.append("the new request was changed")
+        origins = [item.origin for item in final if item.origin is not None]
+        if origins != sorted(origins) or len(set(origins)) != len(origins):
+            problems.append("messages were reordered or repeated")
+        try:
+            Conversation.from_messages([item.message for item in final])
+        except MessageError as exc:
+            problems.append(f"the fitted conversation is not valid: {exc}")
+        if problems:
+            raise InvariantViolation("fit invariant broken: " + "; ".join(problems))
+
+    @staticmethod
+    def _caller_format(
+        final: list[Item], conversation: Conversation, kept: list[int], original: Sequence[Any]
+    ) -> list[Any]:
+        position = {index: j for j, index in enumerate(kept)}
+        formats = conversation._formats
+        out: list[Any] = []
+        dicts = not formats or formats[0] == "dict"
+        for item in final:
+            if item.origin is not None:
+                fmt = formats[position[item.origin]]
+                if fmt == "dict":
+                    out.append(item.message.to_dict())
+                elif fmt == "object":
+                    out.append(original[item.origin])
+                else:
+                    out.append(item.message)
+            else:
+                out.append(item.message.to_dict() if dicts else item.message)
+        return out
+
+    def _slots(
+        self, system: Unit, request: Unit, tools: list[Any] | None, base: int, tokens: int, answer: int
+    ) -> dict[str, int]:
+        """Tokens per slot, as marginal counts in the template (they sum to the prompt): only small lists are
+        counted here; history is the prompt minus everything else."""
+        count = self.counter.count
+        fixed = [i.message for i in (*system, *request)]
+        asked = [i.message for i in request]
+        without_tools = int(count(fixed)) if tools else base
+        request_only = int(count(asked)) if asked else 0
+        request_bare = int(count(asked, add_generation_prompt=False)) if asked else 0
+        return {
+            "system": without_tools - request_only,
+            "tools": base - without_tools,
+            "history": tokens - base,
+            "request": request_bare,
+            "template_overhead": request_only - request_bare,
+            "answer": answer,
+        }
+
+    def count(self, messages: Sequence[MessageLike], *, tools: Sequence[Any] | None = None) -> int:
+        """The exact prompt tokens of ``messages`` as given (no fitting)."""
+        return int(self.counter.count(messages, tools=list(tools) if tools else None))

@@ -1,0 +1,55 @@
+"""History strategies: one module each, registered by name, composed by policies (cheapest first)."""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import (
+    STRATEGIES,
+    Action,
+    Always,
+    FitState,
+    Item,
+    LLMCall,
+    OverBudget,
+    Pipeline,
+    Step,
+    Strategy,
+    Trigger,
+    TurnCount,
+    build_strategy,
+    register,
+    run_async,
+    run_sync,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "Action",
+    "Always",
+    "FitState",
+    "Item",
+    "LLMCall",
+    "OverBudget",
+    "Pipeline",
+    "Step",
+    "Strategy",
+    "Trigger",
+    "TurnCount",
+    "build_strategy",
+    "register",
+    "run_async",
+    "run_sync",
+]
+
+# Each built-in strategy registers itself when its module is imported.
+_BUILTIN = ("dedupe", "prune_tool_results", "truncate", "retrieval", "summarize", "sliding_window")
+
+
+def _load_builtin() -> None:
+    for name in _BUILTIN:
+        try:
+            importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise

@@ -1,0 +1,301 @@
+"""The strategy protocol, the state strategies work on, triggers, the registry and the pipeline driver.
+
+A strategy has one method, ``apply(state) -> state``. Strategies that need a model (summaries) are generator
+functions instead: they ``yield`` an :class:`LLMCall` and receive the reply text, so the same code runs under a
+sync driver (:func:`run_sync`) and an async one (:func:`run_async`).
+
+History is a tuple of units (an assistant message with all its tool results, or a user message); strategies
+replace or drop whole units and never split one. Each message is an :class:`Item`: the message the template
+sees and, while unchanged, the index of the caller's message it came from, so untouched messages go back to the
+caller as their own objects.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from .._exceptions import ConfigurationError
+from ..messages import Message
+
+__all__ = [
+    "STRATEGIES",
+    "Action",
+    "Always",
+    "FitState",
+    "Item",
+    "LLMCall",
+    "OverBudget",
+    "Pipeline",
+    "Step",
+    "Strategy",
+    "Trigger",
+    "TurnCount",
+    "build_strategy",
+    "register",
+    "run_async",
+    "run_sync",
+]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One message of the prompt: what the template sees, and the caller's index while it is unchanged."""
+
+    message: Message
+    origin: int | None = None
+
+    @property
+    def role(self) -> str:
+        return str(self.message.role)
+
+    def text(self) -> str:
+        """The message's text (content parts joined), for strategies that read it."""
+        return "\n".join(self.message.text_parts())
+
+
+Unit = tuple[Item, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Action:
+    """What one strategy did in one fit."""
+
+    strategy: str
+    detail: str
+    saved: int = 0  # tokens saved (exact: counted before and after)
+    units: int = 0  # units affected
+
+
+@dataclass(frozen=True, kw_only=True)
+class LLMCall:
+    """A request a strategy makes of the summarizer backend: chat messages and an answer budget."""
+
+    messages: tuple[dict[str, Any], ...]
+    max_tokens: int
+    purpose: str = "summary"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitState:
+    """Everything a strategy may read, and the history it may change.
+
+    ``count(history)`` is the exact token count of the whole prompt (system, the given history, the request,
+    the tools, the generation prompt) through the model's template; ``limit`` is what the prompt may use (the
+    context minus the answer reservation). ``memory`` persists across fits of one keeper (summary caches,
+    pruning batches); strategies own the keys named after them.
+    """
+
+    system: Unit
+    history: tuple[Unit, ...]
+    request: Unit
+    limit: int
+    count: Callable[[Sequence[Unit]], int] = field(repr=False, compare=False)
+    text_tokens: Callable[[str], int] | None = field(default=None, repr=False, compare=False)
+    query: str = ""
+    turn: int = 0
+    actions: tuple[Action, ...] = ()
+    memory: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def tokens(self, history: Sequence[Unit] | None = None) -> int:
+        """Exact prompt tokens with ``history`` (default: the current history)."""
+        return self.count(self.history if history is None else history)
+
+    def tokens_of(self, text: str) -> int:
+        """Exact tokens of a piece of text with this model's tokenizer (no template, no special tokens)."""
+        if self.text_tokens is None:
+            raise ConfigurationError("this strategy needs the keeper's text counter (FitState.text_tokens)")
+        return self.text_tokens(text)
+
+    def over(self) -> int:
+        """Tokens over the limit (negative: room left)."""
+        return self.tokens() - self.limit
+
+    def reuse(self, source: Message, key: Any, build: Callable[[], Message]) -> Item:
+        """A rewritten message that is the very same object in every fit while its source and ``key`` are
+        unchanged, so the counter's caches (keyed by message identity) keep working across fits."""
+        store: dict[tuple[int, Any], tuple[Message, Message]] = self.memory.setdefault("_rewrites", {})
+        entry = store.get((id(source), key))
+        if entry is None or entry[0] is not source:
+            if len(store) > 50_000:
+                store.clear()
+            entry = (source, build())  # the entry holds the source, so its id is not reused while cached
+            store[(id(source), key)] = entry
+        return Item(entry[1], None)
+
+    def with_history(self, history: Sequence[Unit], action: Action | None = None) -> FitState:
+        actions = self.actions + ((action,) if action is not None else ())
+        return replace(self, history=tuple(history), actions=actions)
+
+    def items(self) -> Iterator[Item]:
+        for unit in self.history:
+            yield from unit
+
+
+Step = Generator[LLMCall, str, FitState]
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """One way to make history smaller. ``apply`` returns the new state, or is a generator that yields
+    :class:`LLMCall` requests and returns the new state."""
+
+    def apply(self, state: FitState) -> FitState | Step: ...
+
+
+# ------------------------------------------------------------------------------------------- triggers
+
+
+class Trigger:
+    """When a strategy runs. Compose with ``|`` and ``&``."""
+
+    def __call__(self, state: FitState) -> bool:
+        raise NotImplementedError
+
+    def __or__(self, other: Trigger) -> Trigger:
+        return _Either(self, other)
+
+    def __and__(self, other: Trigger) -> Trigger:
+        return _Both(self, other)
+
+
+@dataclass(frozen=True)
+class _Either(Trigger):
+    left: Trigger
+    right: Trigger
+
+    def __call__(self, state: FitState) -> bool:
+        return self.left(state) or self.right(state)
+
+
+@dataclass(frozen=True)
+class _Both(Trigger):
+    left: Trigger
+    right: Trigger
+
+    def __call__(self, state: FitState) -> bool:
+        return self.left(state) and self.right(state)
+
+
+@dataclass(frozen=True)
+class Always(Trigger):
+    def __call__(self, state: FitState) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class OverBudget(Trigger):
+    """The prompt uses more than ``fraction`` of the limit (1.0: it does not fit)."""
+
+    fraction: float = 1.0
+
+    def __call__(self, state: FitState) -> bool:
+        return state.tokens() > self.fraction * state.limit
+
+
+@dataclass(frozen=True)
+class TurnCount(Trigger):
+    """Every ``every``-th fit (the first fit is turn 0)."""
+
+    every: int = 1
+
+    def __call__(self, state: FitState) -> bool:
+        return state.turn % max(1, self.every) == 0
+
+
+# ------------------------------------------------------------------------------------------- registry
+
+S = TypeVar("S")
+STRATEGIES: dict[str, type[Any]] = {}
+
+
+def register(name: str) -> Callable[[type[S]], type[S]]:
+    """Class decorator: make a strategy available to policies under ``name``."""
+
+    def add(cls: type[S]) -> type[S]:
+        STRATEGIES[name] = cls
+        cls.name = name  # type: ignore[attr-defined]
+        return cls
+
+    return add
+
+
+def build_strategy(name: str, settings: Mapping[str, Any] | None = None) -> Strategy:
+    """The registered strategy ``name`` configured with ``settings``."""
+    from . import _load_builtin
+
+    _load_builtin()
+    if name not in STRATEGIES:
+        raise ConfigurationError(f"unknown strategy {name!r}; registered strategies: {', '.join(sorted(STRATEGIES))}")
+    try:
+        strategy: Strategy = STRATEGIES[name](**dict(settings or {}))
+    except TypeError as exc:
+        raise ConfigurationError(f"strategy {name!r}: {exc}") from None
+    return strategy
+
+
+# ------------------------------------------------------------------------------------------- drivers
+
+Backend = Callable[[LLMCall], str]
+AsyncBackend = Callable[[LLMCall], Awaitable[str]]
+
+
+def run_sync(strategy: Strategy, state: FitState, backend: Backend | None = None) -> FitState:
+    """Apply ``strategy``, answering its model calls with ``backend``."""
+    result = strategy.apply(state)
+    if isinstance(result, FitState):
+        return result
+    return _drive(result, backend)
+
+
+def _drive(steps: Step, backend: Backend | None) -> FitState:
+    try:
+        call = next(steps)
+        while True:
+            if backend is None:
+                raise ConfigurationError("this strategy needs a summarizer backend: pass summarizer=... to the keeper")
+            try:
+                reply = backend(call)
+            except Exception as exc:
+                call = steps.throw(exc)
+                continue
+            call = steps.send(reply)
+    except StopIteration as done:
+        final: FitState = done.value
+        return final
+
+
+async def run_async(strategy: Strategy, state: FitState, backend: AsyncBackend | Backend | None = None) -> FitState:
+    """Apply ``strategy``, awaiting its model calls on ``backend`` (sync or async)."""
+    result = strategy.apply(state)
+    if isinstance(result, FitState):
+        return result
+    steps: Step = result
+    try:
+        call = next(steps)
+        while True:
+            if backend is None:
+                raise ConfigurationError("this strategy needs a summarizer backend: pass summarizer=... to the keeper")
+            try:
+                reply = backend(call)
+                if inspect.isawaitable(reply):
+                    reply = await reply
+            except Exception as exc:
+                call = steps.throw(exc)
+                continue
+            call = steps.send(str(reply))
+    except StopIteration as done:
+        final: FitState = done.value
+        return final
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Strategies in order, each with its trigger: the same list a policy file declares."""
+
+    steps: tuple[tuple[Strategy, Trigger], ...]
+
+    def __iter__(self) -> Iterator[tuple[Strategy, Trigger]]:
+        return iter(self.steps)

@@ -1,0 +1,85 @@
+"""Replace old tool results with a short placeholder, keeping every call/result pair."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..messages import Message
+from .base import Action, FitState, Item, Unit, register
+
+
+def _with(message: Message, text: str) -> Message:
+    data = message.to_dict()
+    data["content"] = text
+    return Message.from_dict(data)
+
+
+@register("prune_tool_results")
+@dataclass(frozen=True, kw_only=True)
+class PruneToolResults:
+    """Clear the content of old tool results (oldest first), leaving ``[tool result cleared: name, N tokens]``.
+
+    ``keep_last``: the newest results that stay; ``exclude_tools``: tools whose results always stay;
+    ``clear_at_least``: fire only when at least this many tokens can be cleared, so clearing happens in batches
+    (a cleared result stays cleared in later fits, which keeps the prompt's prefix stable for caches);
+    ``clear_inputs``: also replace the calls' arguments with ``{}``.
+    """
+
+    keep_last: int = 3
+    exclude_tools: tuple[str, ...] = ()
+    clear_at_least: int = 2048
+    clear_inputs: bool = False
+    placeholder: str = "[tool result cleared: {tool}, {tokens} tokens]"
+
+    def apply(self, state: FitState) -> FitState:
+        memory: set[str] = state.memory.setdefault("prune_tool_results", set())
+        # Tool results in history, oldest first, with the tool name from the matching call.
+        names: dict[str, str] = {}
+        results: list[tuple[int, int, Item]] = []
+        for u, unit in enumerate(state.history):
+            for p, item in enumerate(unit):
+                for call in item.message.tool_calls or ():
+                    names[str(call.id)] = call.name
+                if item.role == "tool":
+                    results.append((u, p, item))
+        candidates = results[: max(0, len(results) - self.keep_last)]
+        sticky: list[tuple[int, int, Item]] = []  # cleared in an earlier fit: stays cleared
+        fresh: list[tuple[int, int, Item]] = []
+        fresh_tokens = 0
+        for u, p, item in candidates:
+            call_id = str(item.message.tool_call_id or "")
+            if names.get(call_id, "") in self.exclude_tools or item.text().startswith("[tool result cleared:"):
+                continue
+            if call_id in memory:
+                sticky.append((u, p, item))
+            else:
+                fresh.append((u, p, item))
+                fresh_tokens += state.tokens_of(item.text())
+        chosen = sticky + (fresh if fresh_tokens >= self.clear_at_least else [])
+        if not chosen:
+            return state
+        units = [list(unit) for unit in state.history]
+        cleared_ids = {str(item.message.tool_call_id or "") for _, _, item in chosen}
+        for u, p, item in chosen:
+            tool = names.get(str(item.message.tool_call_id or ""), "tool")
+            text = self.placeholder.format(tool=tool, tokens=state.tokens_of(item.text()))
+            units[u][p] = state.reuse(item.message, ("prune", text), functools.partial(_with, item.message, text))
+        if self.clear_inputs:
+            for unit_items in units:
+                for p, item in enumerate(unit_items):
+                    if item.message.tool_calls and any(call.id in cleared_ids for call in item.message.tool_calls):
+                        data = item.message.to_dict()
+                        for call in data.get("tool_calls") or []:
+                            if call.get("id") in cleared_ids:
+                                function = call.get("function") or call
+                                function["arguments"] = "{}" if isinstance(function.get("arguments"), str) else {}
+                        key = ("prune-inputs", tuple(sorted(cleared_ids)))
+                        unit_items[p] = state.reuse(item.message, key, functools.partial(Message.from_dict, data))
+        memory.update(cleared_ids)
+        new: list[Unit] = [tuple(unit) for unit in units]
+        saved = state.tokens() - state.tokens(new)
+        detail = f"cleared {len(chosen)} old tool result(s), kept the newest {self.keep_last}"
+        return state.with_history(
+            new, Action(strategy="prune_tool_results", detail=detail, saved=saved, units=len(chosen))
+        )

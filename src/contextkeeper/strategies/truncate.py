@@ -1,0 +1,84 @@
+"""Cut oversize messages and text attachments in the middle, with a marker, to an exact token cap."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from ..messages import Message
+from .base import Action, FitState, Item, Unit, register
+
+
+def cut_middle(text: str, cap: int, tokens_of: Any, marker: str) -> str:
+    """The longest head + marker + tail of ``text`` (equal shares) whose tokens are at most ``cap``."""
+    if tokens_of(text) <= cap:
+        return text
+    low, high = 0, len(text) // 2  # characters kept at each end
+    best = marker.format(cut="all") if tokens_of(marker.format(cut="all")) <= cap else ""
+    while low <= high:
+        keep = (low + high) // 2
+        candidate = text[:keep] + marker.format(cut=len(text) - 2 * keep) + text[len(text) - keep :]
+        if tokens_of(candidate) <= cap:
+            best = candidate
+            low = keep + 1
+        else:
+            high = keep - 1
+    return best
+
+
+@register("truncate")
+@dataclass(frozen=True, kw_only=True)
+class Truncate:
+    """Messages (and text parts of multi-part content) over ``max_tokens`` tokens are cut in the middle.
+
+    ``roles``: which messages may be cut (tool results and user attachments by default; assistant turns and the
+    system prompt are left whole). The cap is exact with the model's tokenizer.
+    """
+
+    max_tokens: int = 4096
+    roles: tuple[str, ...] = ("tool", "user")
+    marker: str = "\n[… {cut} characters cut …]\n"
+
+    def apply(self, state: FitState) -> FitState:
+        new: list[Unit] = []
+        cut = 0
+        for unit in state.history:
+            items = list(unit)
+            for position, item in enumerate(items):
+                if item.role not in self.roles:
+                    continue
+                key = ("truncate", self.max_tokens, self.marker)
+                replaced = state.reuse(item.message, key, functools.partial(self._cut, item, state))
+                if replaced.message is not item.message:
+                    items[position] = replaced
+                    cut += 1
+            new.append(tuple(items))
+        if not cut:
+            return state
+        saved = state.tokens() - state.tokens(new)
+        detail = f"cut {cut} message(s) to {self.max_tokens} tokens"
+        return state.with_history(new, Action(strategy="truncate", detail=detail, saved=saved, units=cut))
+
+    def _cut(self, item: Item, state: FitState) -> Message:
+        """The cut message, or the message itself when nothing is over the cap."""
+        content = item.message.content
+        data = item.message.to_dict()
+        if isinstance(content, str):
+            if state.tokens_of(content) <= self.max_tokens:
+                return item.message
+            data["content"] = cut_middle(content, self.max_tokens, state.tokens_of, self.marker)
+            return Message.from_dict(data)
+        if isinstance(content, list):
+            changed = False
+            parts: list[Any] = []
+            for part, raw in zip(content, data["content"], strict=True):
+                text = part.as_text()
+                if text is not None and part.type == "text" and state.tokens_of(text) > self.max_tokens:
+                    raw = {**raw, "text": cut_middle(text, self.max_tokens, state.tokens_of, self.marker)}
+                    changed = True
+                parts.append(raw)
+            if changed:
+                data["content"] = parts
+                return Message.from_dict(data)
+        return item.message

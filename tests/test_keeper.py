@@ -1,0 +1,262 @@
+"""ContextKeeper.fit: reserve-then-budget, the strategies in a pipeline, and the invariants of every fit."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import contextkeeper as ck
+from assets import template, tokenizer_dir
+from contextkeeper.keeper import ContextKeeper, RequestTooLarge
+from contextkeeper.policy import Policy, PolicyStep
+from conversations import TOOLS
+
+QWEN = "Qwen-Qwen2.5-7B-Instruct"
+
+
+def keeper(context: int, *steps: PolicyStep, name: str = QWEN, vocab: str = "qwen2", **kwargs: Any) -> ContextKeeper:
+    policy = Policy(name="test", steps=steps, horizon=0)
+    return ContextKeeper(
+        str(tokenizer_dir(vocab)), chat_template=template(name), context_window=context, policy=policy, **kwargs
+    )
+
+
+def agent_chat(turns: int, result_words: int = 120) -> list[dict[str, Any]]:
+    """A system prompt, then turns of user -> assistant tool call -> tool result -> assistant answer."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a travel agent. Never book without consent."}
+    ]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Turn {t}: find flights to city {t} under {100 + t} EUR."})
+        call_id = f"call{t:05d}"  # 9 letters or digits: valid for Mistral too
+        args = json.dumps({"city": f"city {t}", "max_price": 100 + t})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": "search_flights", "arguments": args}}
+                ],
+            }
+        )
+        rows = " ".join(f"flight F{t}{i} departs {i:02d}:15 costs {90 + i} EUR;" for i in range(result_words // 8))
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": rows})
+        messages.append({"role": "assistant", "content": f"I found {result_words // 8} flights to city {t}."})
+    messages.append({"role": "user", "content": "Book the cheapest one to the last city, please."})
+    return messages
+
+
+def plain_chat(turns: int) -> list[dict[str, Any]]:
+    """Alternating user / assistant turns without tools (for templates that accept nothing else)."""
+    messages: list[dict[str, Any]] = []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Question {t}: what is {t} squared, and why? " * 8})
+        messages.append({"role": "assistant", "content": f"{t} squared is {t * t}, because {t} times {t}. " * 8})
+    messages.append({"role": "user", "content": "Summarise what we did."})
+    return messages
+
+
+def check_invariants(k: ContextKeeper, messages: list[Any], fit: ck.keeper.Fit, tools: Any, max_tokens: int) -> None:
+    counter = k.counter
+    assert fit.tokens == counter.reference_count(fit.messages, tools=tools)  # exact through apply_chat_template
+    assert fit.tokens + max_tokens <= k.limit
+    system = [m for m in messages if m.get("role") == "system"][:1]
+    assert fit.messages[: len(system)] == system
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    request = messages[last_user:]
+    assert fit.messages[-len(request) :] == request
+    ck.Conversation.from_messages(fit.messages)  # no orphaned call or result
+    # Order kept, untouched messages equal their input: each output message is an input message (in order) or
+    # a strategy's rewrite of one.
+    position = 0
+    for message in fit.messages:
+        if message in messages[position:]:
+            position = messages.index(message, position) + 1
+
+
+def test_a_conversation_that_fits_comes_back_unchanged() -> None:
+    k = keeper(32768)
+    messages = agent_chat(3)
+    original = copy.deepcopy(messages)
+    fit = k.fit(messages, tools=TOOLS, max_tokens=1024)
+    assert fit.messages == messages
+    assert messages == original
+    assert fit.report.tokens_before == fit.tokens
+    assert fit.report.actions == ()
+    assert sum(v for s, v in fit.report.slots.items() if s != "answer") == fit.tokens
+    check_invariants(k, messages, fit, TOOLS, 1024)
+
+
+def test_sliding_window_keeps_the_longest_suffix_of_whole_turns() -> None:
+    k = keeper(4096)
+    messages = agent_chat(30)
+    original = copy.deepcopy(messages)
+    fit = k.fit(messages, tools=TOOLS, max_tokens=512)
+    assert messages == original  # the caller's list is never mutated
+    check_invariants(k, messages, fit, TOOLS, 512)
+    assert fit.messages[1]["role"] == "user"  # history starts on a user turn
+    assert [a.strategy for a in fit.report.actions] == ["sliding_window"]
+    # The best whole-turn suffix: one more turn would not fit.
+    dropped = messages.index(fit.messages[1])
+    previous_user = max(i for i in range(1, dropped) if messages[i]["role"] == "user")
+    longer = [messages[0], *messages[previous_user:]]
+    assert k.count(longer, tools=TOOLS) + 512 > k.limit
+
+
+def test_request_too_large_says_by_how_much_and_what_to_do() -> None:
+    k = keeper(600)
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "word " * 400}]
+    with pytest.raises(RequestTooLarge) as error:
+        k.fit(messages, tools=TOOLS, max_tokens=256)
+    assert error.value.needed > error.value.limit == 600
+    text = str(error.value)
+    assert "over the limit of 600" in text
+    assert "lower max_tokens" in text
+    assert "tools" in text
+
+
+def test_prune_clears_old_results_in_batches_and_keeps_pairs() -> None:
+    k = keeper(6000, PolicyStep(strategy="prune_tool_results", keep_last=2, clear_at_least=500))
+    messages = agent_chat(25)
+    fit = k.fit(messages, tools=TOOLS, max_tokens=512)
+    check_invariants(k, messages, fit, TOOLS, 512)
+    cleared = [m for m in fit.messages if m["role"] == "tool" and str(m["content"]).startswith("[tool result cleared")]
+    kept = [m for m in fit.messages if m["role"] == "tool" and not str(m["content"]).startswith("[tool result")]
+    assert cleared
+    assert len(kept) >= 2
+    prune = next(a for a in fit.report.actions if a.strategy == "prune_tool_results")
+    assert prune.saved > 0
+    # Cleared results stay cleared next turn (stable prefix), even though the new turn alone is below the batch.
+    messages2 = [*messages, {"role": "assistant", "content": "Booked."}, {"role": "user", "content": "Thanks!"}]
+    fit2 = k.fit(messages2, tools=TOOLS, max_tokens=512)
+    cleared2 = [
+        m for m in fit2.messages if m["role"] == "tool" and str(m["content"]).startswith("[tool result cleared")
+    ]
+    assert {m["tool_call_id"] for m in cleared} <= {m["tool_call_id"] for m in cleared2} | {
+        m["tool_call_id"] for m in messages if m not in fit2.messages and m["role"] == "tool"
+    }
+
+
+def test_prune_excluded_tools_are_never_cleared() -> None:
+    k = keeper(
+        6000,
+        PolicyStep(strategy="prune_tool_results", keep_last=0, clear_at_least=0, exclude_tools=("search_flights",)),
+    )
+    fit = k.fit(agent_chat(25), tools=TOOLS, max_tokens=512)
+    assert not any(str(m.get("content")).startswith("[tool result cleared") for m in fit.messages)
+
+
+def test_truncate_cuts_to_an_exact_cap() -> None:
+    k = keeper(32768, PolicyStep(strategy="truncate", max_tokens=200, when="always"))
+    messages = agent_chat(2, result_words=2000)
+    fit = k.fit(messages, tools=TOOLS, max_tokens=512)
+    check_invariants(k, messages, fit, TOOLS, 512)
+    tool_texts = [m["content"] for m in fit.messages if m["role"] == "tool"]
+    counter = k.counter
+    assert all(counter.text_tokens(t) <= 200 for t in tool_texts)  # type: ignore[attr-defined]
+    assert all("characters cut" in t for t in tool_texts)
+    assert max(counter.text_tokens(t) for t in tool_texts) >= 190  # type: ignore[attr-defined]  # as long as the cap allows
+
+
+def test_dedupe_marks_earlier_copies() -> None:
+    k = keeper(32768, PolicyStep(strategy="dedupe", when="always", min_chars=10))
+    messages = agent_chat(3)
+    repeated = "Please remember: my passport number is X1234567 and I prefer aisle seats."
+    messages.insert(1, {"role": "user", "content": repeated})
+    messages.insert(2, {"role": "assistant", "content": "Noted."})
+    messages.insert(-1, {"role": "user", "content": repeated})
+    messages.insert(-1, {"role": "assistant", "content": "Noted again."})
+    fit = k.fit(messages, tools=TOOLS, max_tokens=512)
+    check_invariants(k, messages, fit, TOOLS, 512)
+    texts = [m.get("content") for m in fit.messages]
+    assert texts.count(repeated) == 1
+    assert texts.index(repeated) > texts.index("[repeated later in the conversation]")
+
+
+def test_limit_from_model_and_gpu() -> None:
+    k = ContextKeeper(
+        str(tokenizer_dir("qwen2")),
+        chat_template=template(QWEN),
+        context_window=1_000_000,
+        model="qwen2.5-7b",
+        gpu="RTX 4090",
+        concurrency=8,
+        policy=Policy(name="p"),
+    )
+    plan = ck.plan("qwen2.5-7b", "RTX 4090", context=32768, concurrency=8)
+    assert k.limit == min(plan.max_context, 32768)
+    assert "GPU" in k.limit_source or "maximum context" in k.limit_source
+    with pytest.raises(ck.ConfigurationError, match="needs model"):
+        ContextKeeper(str(tokenizer_dir("qwen2")), chat_template=template(QWEN), context_window=10, gpu="H100")
+
+
+# --------------------------------------------------------------------------------------------- properties
+
+_words = st.text(alphabet=st.sampled_from(list("abcdefgh ijklmnop éü中文 🙂 {}[]\n")), min_size=0, max_size=60)
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": "sys " + draw(_words)})
+    for turn in range(draw(st.integers(1, 8))):
+        messages.append({"role": "user", "content": f"u{turn} " + draw(_words) * draw(st.integers(1, 6))})
+        if draw(st.booleans()):
+            calls = []
+            for c in range(draw(st.integers(1, 3))):  # parallel calls
+                args = json.dumps({"q": draw(_words)})
+                calls.append(
+                    {"id": f"c{turn}_{c}", "type": "function", "function": {"name": "search", "arguments": args}}
+                )
+            messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+            for c in calls:
+                messages.append(
+                    {"role": "tool", "tool_call_id": c["id"], "content": draw(_words) * draw(st.integers(1, 20))}
+                )
+        answer: dict[str, Any] = {"role": "assistant", "content": f"a{turn} " + draw(_words)}
+        if draw(st.booleans()):
+            answer["reasoning_content"] = draw(_words)
+        messages.append(answer)
+    messages.append({"role": "user", "content": "final " + draw(_words)})
+    return messages
+
+
+PROPERTY_EXAMPLES = int(os.environ.get("CONTEXTKEEPER_PROPERTY_EXAMPLES", "2000"))
+_PROPERTY_KEEPERS: dict[int, ContextKeeper] = {}
+
+
+def _property_keeper(context: int) -> ContextKeeper:
+    if context not in _PROPERTY_KEEPERS:
+        _PROPERTY_KEEPERS[context] = keeper(
+            context,
+            PolicyStep(strategy="dedupe"),
+            PolicyStep(strategy="prune_tool_results", keep_last=1, clear_at_least=50),
+            PolicyStep(strategy="truncate", max_tokens=60),
+        )
+    return _PROPERTY_KEEPERS[context]
+
+
+@settings(max_examples=PROPERTY_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages=conversations(), context=st.sampled_from([700, 1200, 4096]), with_tools=st.booleans())
+def test_every_fit_keeps_its_invariants(messages: list[dict[str, Any]], context: int, with_tools: bool) -> None:
+    k = _property_keeper(context)
+    tools = TOOLS if with_tools else None
+    original = copy.deepcopy(messages)
+    try:
+        fit = k.fit(messages, tools=tools, max_tokens=128)
+    except RequestTooLarge as error:
+        refused: RequestTooLarge | None = error
+    else:
+        refused = None
+    if refused is not None:  # only when system + tools + request + answer cannot fit: then by a real margin
+        assert refused.needed > refused.limit
+        return
+    assert messages == original
+    check_invariants(k, messages, fit, tools, 128)
