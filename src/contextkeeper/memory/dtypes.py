@@ -62,6 +62,12 @@ _add("kv", DType(name="fp8_e4m3", block_bytes=1), "float8_e4m3fn", "fp8e4m3")
 _add("kv", DType(name="fp8_e5m2", block_bytes=1), "float8_e5m2", "fp8e5m2")
 # vLLM's packed sparse-MLA format: 656 bytes per token and layer (512 fp8 latent, 4 fp32 scales, 64 bf16 rope).
 _add("kv", DType(name="fp8_ds_mla", block_bytes=1, note="vLLM MLA only: 656 B per token and layer"))
+# transformers' QuantizedCache (optimum-quanto or hqq backends): packed nbits values with a scale and a shift per
+# group; the exact bytes depend on the group layout, so the transformers profile sizes these itself.
+_add("kv", DType(name="quanto-int4", block_bytes=1, block_values=2, note="transformers QuantizedCache, quanto"))
+_add("kv", DType(name="quanto-int2", block_bytes=1, block_values=4, note="transformers QuantizedCache, quanto"))
+_add("kv", DType(name="hqq-int4", block_bytes=1, block_values=2, note="transformers QuantizedCache, hqq"))
+_add("kv", DType(name="hqq-int2", block_bytes=1, block_values=4, note="transformers QuantizedCache, hqq"))
 # llama.cpp cache and weight blocks (ggml-common.h): data plus fp16 scale (and min) per 32 values.
 _add("kv,w", DType(name="q8_0", block_bytes=34, block_values=32))
 _add("kv,w", DType(name="q5_0", block_bytes=22, block_values=32))

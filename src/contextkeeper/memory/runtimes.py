@@ -46,9 +46,12 @@ class RuntimeSettings:
     swa_full: bool = False  # llama.cpp --swa-full: sliding layers in full
     kv_unified: bool = False  # llama.cpp --kv-unified: one pool for all slots
     mla_cache: Literal["k", "kv"] = "k"  # llama.cpp: V-less MLA cache (since Jan 2026) or K 576 + V 512
+    q_group_size: int = 64  # transformers QuantizedCache: values per scale/shift group
+    residual_length: int = 128  # transformers QuantizedCache: recent tokens kept unquantised before a flush
+    decode_steps: int | None = None  # transformers QuantizedCache while decoding: steps since the prompt
 
     def __post_init__(self) -> None:
-        for name in ("tp", "n_ubatch"):
+        for name in ("tp", "n_ubatch", "q_group_size", "residual_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
@@ -142,14 +145,39 @@ def _installed(package: str) -> tuple[int, ...] | None:
 
 class Transformers(Runtime):
     """transformers' DynamicCache as the installed version builds it (``DynamicCache(config=...)``), counted
-    as resident memory: the tensors' storage, not just the visible rows."""
+    as resident memory: the tensors' storage, not just the visible rows. The ``quanto-int4``/``-int2`` and
+    ``hqq-int4``/``-int2`` dtypes are its QuantizedCache (``cache_implementation="quantized"``)."""
 
     name = "transformers"
-    kv_dtypes = ("fp32", "fp16", "bf16")
+    kv_dtypes = ("fp32", "fp16", "bf16", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2")
+    quantized: ClassVar[frozenset[str]] = frozenset({"quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2"})
+
+    def __init__(self) -> None:
+        self._quant: DType | None = None
+
+    def kv_bytes(self, layers: list[LayerSpec], tokens: int, sequences: int, settings: RuntimeSettings) -> int:
+        quant = self._quant
+        if quant is None:
+            return super().kv_bytes(layers, tokens, sequences, settings)
+        return sum(
+            _quantized_layer(layer, quant, tokens, sequences, settings)
+            for layer in layers
+            if isinstance(layer, FullAttention)
+        )
 
     def layers(self, model: ModelSpec, kv: DType, settings: RuntimeSettings) -> tuple[list[LayerSpec], list[str]]:
         if settings.tp != 1:
             raise ConfigurationError("transformers' cache is not split by tensor parallelism here; use tp=1")
+        self._quant = kv if kv.name in self.quantized else None
+        if self._quant is not None:
+            if any(
+                not isinstance(layer, FullAttention) or isinstance(layer, SlidingAttention) for layer in model.layers
+            ):
+                raise ConfigurationError(
+                    f"{kv.name}: QuantizedCache sizing covers full-attention models only; {model.name} has "
+                    f"{', '.join(sorted(model.kinds()))} layers"
+                )
+            kv = model.dtype  # scales, shifts and the residual are kept in the model's dtype
         version = _installed("transformers")
         latent_mla = version is None or version >= (5,)
         steady = settings.phase == "steady"
@@ -198,6 +226,42 @@ class Transformers(Runtime):
         if heads_override:
             notes.append(f"{model.model_type}: transformers caches all {heads_override} heads (KV expanded first)")
         return out, notes
+
+
+def _quantized_layer(layer: FullAttention, quant: DType, tokens: int, sequences: int, settings: RuntimeSettings) -> int:
+    """Bytes of one QuantizedCache layer (measured rule, see docs/memory.md): the prompt is quantised at once;
+    decoded tokens collect in a full-precision residual that is flushed (everything re-quantised) when it reaches
+    ``residual_length``. Groups of ``q_group_size`` consecutive values span the whole batch tensor."""
+    if tokens <= 0:
+        return 0
+    backend, _, bits = quant.name.partition("-int")
+    per_byte = 8 // int(bits)
+    group = settings.q_group_size
+    element = layer.dtype.block_bytes  # the model's dtype
+    if settings.phase == "plan":
+        residual = 0  # right after the prompt: all quantised
+    elif settings.decode_steps is not None:
+        residual = settings.decode_steps % settings.residual_length
+    else:
+        residual = min(settings.residual_length - 1, tokens - 1)  # the worst point of the cycle
+    quantised = tokens - residual
+    total = 0
+    for width in (layer.head_dim, layer.v_head_dim):
+        values = sequences * layer.kv_heads * quantised * width
+        if values % group:
+            raise ConfigurationError(
+                f"QuantizedCache needs q_group_size ({group}) to divide the {values} values of a layer's keys; "
+                "choose a q_group_size that divides kv_heads × head_dim"
+            )
+        groups = values // group
+        if backend == "quanto":
+            data = -(-groups // per_byte) * group
+            scales = 2 * element * (groups if groups > 1 else group)
+        else:  # hqq
+            data = -(-group // per_byte) * groups
+            scales = 2 * groups * element
+        total += data + scales + sequences * layer.kv_heads * residual * width * element
+    return total
 
 
 def _transformers_heads(model: ModelSpec) -> int | None:
