@@ -109,6 +109,19 @@ def test_sliding_window_keeps_the_longest_suffix_of_whole_turns() -> None:
     assert k.count(longer, tools=TOOLS) + 512 > k.limit
 
 
+@pytest.mark.parametrize(("name", "vocab"), [(QWEN, "qwen2"), ("meta-llama-Llama-3.3-70B-Instruct", "llama-bpe")])
+def test_report_slots_sum_to_the_prompt(name: str, vocab: str) -> None:
+    k = keeper(4096, PolicyStep(strategy="prune_tool_results", keep_last=2, clear_at_least=100), name=name, vocab=vocab)
+    fit = k.fit(agent_chat(30), tools=TOOLS, max_tokens=512)
+    slots = fit.report.slots
+    assert sum(v for s, v in slots.items() if s != "answer") == fit.tokens
+    assert all(v >= 0 for v in slots.values())
+    assert slots["answer"] == 512
+    assert slots["tools"] > 100
+    assert fit.report.actions[0].strategy == "prune_tool_results"
+    assert all(a.saved > 0 for a in fit.report.actions)
+
+
 def test_request_too_large_says_by_how_much_and_what_to_do() -> None:
     k = keeper(600)
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "word " * 400}]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._exceptions import ConfigurationError, ContextKeeperError, MessageError
+from ._exceptions import ChatTemplateError, ConfigurationError, ContextKeeperError, MessageError
 from .messages import Conversation, MessageLike
 from .policy import Policy, resolve_policy
 from .strategies.base import Action, FitState, Item, LLMCall, Unit, run_sync
@@ -233,19 +233,22 @@ class ContextKeeper:
         if history and history[0][0].role != "user" and horizon > sys_end:
             history = history[1:]  # the horizon always starts history on a user turn
 
-        counted: dict[tuple[int, ...], int] = {}
+        counted: dict[tuple[int, ...], tuple[tuple[Unit, ...], int]] = {}
 
         def count(units: Sequence[Unit]) -> int:
-            # Strategies and triggers ask for the same history more than once: count each distinct one once.
+            # Strategies and triggers ask for the same history more than once: count each distinct one once. The
+            # entry holds the units, so their ids cannot be reused by other tuples while it lives.
             key = tuple(map(id, units))
-            known = counted.get(key)
-            if known is None:
-                chosen = [item.message for item in system]
-                for unit in units:
-                    chosen.extend(item.message for item in unit)
-                chosen.extend(item.message for item in request)
-                known = counted[key] = int(self.counter.count(chosen, tools=tool_list))
-            return known
+            entry = counted.get(key)
+            if entry is not None and all(a is b for a, b in zip(entry[0], units, strict=True)):
+                return entry[1]
+            chosen = [item.message for item in system]
+            for unit in units:
+                chosen.extend(item.message for item in unit)
+            chosen.extend(item.message for item in request)
+            tokens = int(self.counter.count(chosen, tools=tool_list))
+            counted[key] = (tuple(units), tokens)
+            return tokens
 
         prompt_limit = self.limit - answer
         base = count(())
@@ -389,20 +392,30 @@ class ContextKeeper:
     def _slots(
         self, system: Unit, request: Unit, tools: list[Any] | None, base: int, tokens: int, answer: int
     ) -> dict[str, int]:
-        """Tokens per slot, as marginal counts in the template (they sum to the prompt): only small lists are
-        counted here; history is the prompt minus everything else."""
+        """Tokens per slot in prompt order (each is what it adds to the prompt so far; they sum to the prompt).
+        Only the small lists are counted; history is the prompt minus everything that is never trimmed."""
         count = self.counter.count
-        fixed = [i.message for i in (*system, *request)]
+        head = [i.message for i in system]
         asked = [i.message for i in request]
-        without_tools = int(count(fixed)) if tools else base
-        request_only = int(count(asked)) if asked else 0
-        request_bare = int(count(asked, add_generation_prompt=False)) if asked else 0
+        fixed = [*head, *asked]
+        try:
+            alone = int(count(head, add_generation_prompt=False)) if head else 0
+            with_tools = int(count(head, tools=tools, add_generation_prompt=False)) if tools else alone
+            bare = int(count(fixed, tools=tools, add_generation_prompt=False))
+            system_slot, tools_slot, request_slot, overhead = alone, with_tools - alone, bare - with_tools, base - bare
+        except ChatTemplateError:
+            # Templates that refuse a system prompt on its own (Llama 3.1+ puts tools in the first user message):
+            # the same slots as marginal costs of removing each part.
+            no_tools = int(count(fixed)) if tools else base
+            no_tools_bare = int(count(fixed, add_generation_prompt=False))
+            request_slot = int(count(asked, add_generation_prompt=False)) if asked else 0
+            system_slot, tools_slot, overhead = no_tools_bare - request_slot, base - no_tools, no_tools - no_tools_bare
         return {
-            "system": without_tools - request_only,
-            "tools": base - without_tools,
+            "system": system_slot,
+            "tools": tools_slot,
             "history": tokens - base,
-            "request": request_bare,
-            "template_overhead": request_only - request_bare,
+            "request": request_slot,
+            "template_overhead": overhead,
             "answer": answer,
         }
 
