@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import contextkeeper as ck
 from assets import template, tokenizer_dir
+from conftest import hf_tokenizer
 from contextkeeper.keeper import ContextKeeper, RequestTooLarge
 from contextkeeper.policy import Policy, PolicyStep
 from conversations import TOOLS
@@ -20,11 +21,15 @@ from conversations import TOOLS
 QWEN = "Qwen-Qwen2.5-7B-Instruct"
 
 
+_COUNTERS: dict[tuple[str, str], Any] = {}
+
+
 def keeper(context: int, *steps: PolicyStep, name: str = QWEN, vocab: str = "qwen2", **kwargs: Any) -> ContextKeeper:
+    """A fresh keeper (its own session) on a shared counter (loading a tokenizer takes a second or two)."""
+    if (name, vocab) not in _COUNTERS:
+        _COUNTERS[name, vocab] = ck.HFChatTemplateCounter(hf_tokenizer(vocab), chat_template=template(name), name=name)
     policy = Policy(name="test", steps=steps, horizon=0)
-    return ContextKeeper(
-        str(tokenizer_dir(vocab)), chat_template=template(name), context_window=context, policy=policy, **kwargs
-    )
+    return ContextKeeper(_COUNTERS[name, vocab], context_window=context, policy=policy, **kwargs)
 
 
 def agent_chat(turns: int, result_words: int = 120) -> list[dict[str, Any]]:
@@ -273,3 +278,23 @@ def test_every_fit_keeps_its_invariants(messages: list[dict[str, Any]], context:
         return
     assert messages == original
     check_invariants(k, messages, fit, tools, 128)
+
+
+@settings(max_examples=max(50, PROPERTY_EXAMPLES // 10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages=conversations(), context=st.sampled_from([900, 1500]))
+def test_a_growing_chat_fitted_turn_by_turn_keeps_every_invariant(messages: list[dict[str, Any]], context: int) -> None:
+    """The same keeper over a chat that grows: each fit re-applies the previous window start and rewrites first
+    (the sticky fast path), and must still be exact and complete."""
+    k = keeper(
+        context,
+        PolicyStep(strategy="prune_tool_results", keep_last=1, clear_at_least=30),
+        PolicyStep(strategy="truncate", max_tokens=80),
+    )
+    stops = [i + 1 for i, m in enumerate(messages) if m["role"] == "user"]
+    for stop in stops:
+        prefix = messages[:stop]
+        try:
+            fit = k.fit(prefix, tools=TOOLS, max_tokens=128)
+        except RequestTooLarge:
+            continue
+        check_invariants(k, prefix, fit, TOOLS, 128)

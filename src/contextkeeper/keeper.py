@@ -12,10 +12,11 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 from ._exceptions import ChatTemplateError, ConfigurationError, ContextKeeperError, MessageError
-from .messages import Conversation, MessageLike
+from .messages import Conversation, Message, MessageLike, _restore_conversation
+from .messages import Unit as MessageUnit
 from .policy import Policy, resolve_policy
 from .strategies.base import Action, FitState, Item, LLMCall, Unit, run_sync
 from .strategies.sliding_window import SlidingWindow
@@ -90,6 +91,24 @@ def _chars(message: Any) -> int:
     return size + (len(str(calls)) if calls else 0)
 
 
+def _assemble(units: Sequence[Unit]) -> Conversation:
+    """A Conversation of already validated units, without validating them again (the counter takes it as is).
+    Strategies keep each unit's shape (a rewritten tool result keeps its call id), and the fit is validated
+    once at the end by the invariant check."""
+    messages: list[Message] = []
+    groups: list[MessageUnit] = []
+    for unit in units:
+        if not unit:
+            continue
+        start = len(messages)
+        messages.extend(item.message for item in unit)
+        role = unit[0].role
+        kind = "assistant" if role == "assistant" else "user" if role == "user" else "system"
+        groups.append(MessageUnit(kind, start, len(messages), tuple(messages[start:])))  # type: ignore[arg-type]
+    formats = cast(tuple[Literal["message"], ...], ("message",) * len(messages))
+    return _restore_conversation(tuple(messages), formats, (None,) * len(messages), tuple(groups))
+
+
 def _text_counter(counter: Any) -> Any:
     method = getattr(counter, "text_tokens", None)
     if method is not None:
@@ -101,6 +120,16 @@ def _text_counter(counter: Any) -> Any:
         )
 
     return marginal
+
+
+@dataclass(frozen=True)
+class _Sticky:
+    """The previous fit: the caller's messages it saw, where its history started, and its rewrites by source."""
+
+    inputs: tuple[Any, ...]
+    sys_end: int
+    start: int
+    rewrites: dict[int, tuple[Message, Message]]
 
 
 @dataclass
@@ -217,7 +246,52 @@ class ContextKeeper:
         while sys_end < len(roles) and roles[sys_end] in ("system", "developer"):
             sys_end += 1
         last_user = max((i for i in range(sys_end, len(roles)) if roles[i] == "user"), default=len(roles))
-        horizon = self._horizon(messages, roles, sys_end, last_user, answer)
+        # Read history back to the horizon; when strategies (pruning, summaries) leave room and older history was
+        # left unread, read twice as far and fit again. The keeper remembers how far it had to read.
+        memory = self._session.memory
+        per_token = float(memory.get("horizon", self.policy.horizon))
+        prompt_limit = self.limit - answer
+        sticky = self._sticky(messages, sys_end, last_user)
+        for _ in range(6):
+            fit = self._fit_once(messages, roles, sys_end, last_user, answer, tool_list, per_token, started, sticky)
+            if sticky is not None or not fit.report.unread or not per_token or fit.tokens >= 0.9 * prompt_limit:
+                break
+            per_token *= 2
+        if per_token:
+            memory["horizon"] = per_token
+        self._session.turn += 1
+        self.last_fit = fit
+        return fit
+
+    def _sticky(self, messages: Sequence[Any], sys_end: int, last_user: int) -> _Sticky | None:
+        """The previous fit's window start and rewrites, when ``messages`` grew from the list it fitted (the same
+        objects up to its end): re-applying them first keeps the prompt's prefix stable from turn to turn, so the
+        counter (and a server's prefix cache) reuse it, and a turn that still fits needs no strategy at all."""
+        previous: _Sticky | None = self._session.memory.get("_sticky")
+        if previous is None or previous.sys_end != sys_end or len(messages) < len(previous.inputs):
+            return None
+        if previous.start >= last_user:
+            return None
+        if any(a is not b for a, b in zip(previous.inputs, messages, strict=False)):
+            return None  # the caller edited or replaced earlier messages: fit from scratch
+        return previous
+
+    def _fit_once(
+        self,
+        messages: Sequence[MessageLike],
+        roles: list[str],
+        sys_end: int,
+        last_user: int,
+        answer: int,
+        tool_list: list[Any] | None,
+        per_token: float,
+        started: float,
+        sticky: _Sticky | None = None,
+    ) -> Fit:
+        if sticky is not None:
+            horizon = sticky.start
+        else:
+            horizon = self._horizon(messages, roles, sys_end, last_user, answer, per_token)
         kept_indices = list(range(sys_end)) + list(range(horizon, len(messages)))
         selected = [messages[i] for i in kept_indices]
         conversation = Conversation.from_messages(selected, previous=self._previous)
@@ -232,6 +306,16 @@ class ContextKeeper:
                 history.append(unit_items)
         if history and history[0][0].role != "user" and horizon > sys_end:
             history = history[1:]  # the horizon always starts history on a user turn
+        if sticky is not None and sticky.rewrites:
+            history = [
+                tuple(
+                    Item(sticky.rewrites[id(i.message)][1], None, i.message)
+                    if id(i.message) in sticky.rewrites and sticky.rewrites[id(i.message)][0] is i.message
+                    else i
+                    for i in unit
+                )
+                for unit in history
+            ]
 
         counted: dict[tuple[int, ...], tuple[tuple[Unit, ...], int]] = {}
 
@@ -242,11 +326,7 @@ class ContextKeeper:
             entry = counted.get(key)
             if entry is not None and all(a is b for a, b in zip(entry[0], units, strict=True)):
                 return entry[1]
-            chosen = [item.message for item in system]
-            for unit in units:
-                chosen.extend(item.message for item in unit)
-            chosen.extend(item.message for item in request)
-            tokens = int(self.counter.count(chosen, tools=tool_list))
+            tokens = int(self.counter.count(_assemble((system, *units, request)), tools=tool_list))
             counted[key] = (tuple(units), tokens)
             return tokens
 
@@ -275,6 +355,7 @@ class ContextKeeper:
         state = run_sync(SlidingWindow(), state)
         final = [item for unit in (system, *state.history, request) for item in unit]
         tokens = state.tokens()
+        self._remember(messages, sys_end, state.history)
         self._check(final, tokens, prompt_limit, system, request, messages)
         out = self._caller_format(final, conversation, kept_indices, messages)
         slots = self._slots(system, request, tool_list, base, tokens, answer)
@@ -298,10 +379,21 @@ class ContextKeeper:
             if horizon > sys_end
             else (),
         )
-        self._session.turn += 1
-        fit = Fit(messages=out, tokens=tokens, report=report)
-        self.last_fit = fit
-        return fit
+        return Fit(messages=out, tokens=tokens, report=report)
+
+    def _remember(self, messages: Sequence[Any], sys_end: int, history: Sequence[Unit]) -> None:
+        """Keep what the next fit re-applies first: the window start and each rewrite by its source."""
+        memory = self._session.memory
+        anchors = [item.origin for item in history[0] if item.origin is not None] if history else []
+        made_up = any(item.origin is None and item.source is None for unit in history for item in unit)
+        if made_up or (history and not anchors):
+            memory.pop("_sticky", None)  # a summary or other unit without a source: fit from scratch next time
+            return
+        rewrites = {
+            id(item.source): (item.source, item.message) for unit in history for item in unit if item.source is not None
+        }
+        start = anchors[0] if anchors else len(messages)
+        memory["_sticky"] = _Sticky(inputs=tuple(messages), sys_end=sys_end, start=start, rewrites=rewrites)
 
     def _backend(self) -> Any:
         if self.summarizer is None:
@@ -313,10 +405,11 @@ class ContextKeeper:
 
         return call
 
-    def _horizon(self, messages: Sequence[Any], roles: list[str], sys_end: int, last_user: int, answer: int) -> int:
-        """The first history message worth reading: older units cannot fit even at ``policy.horizon`` characters
-        per token, so they are dropped without being validated or tokenized. 0 characters per token: read all."""
-        per_token = self.policy.horizon
+    def _horizon(
+        self, messages: Sequence[Any], roles: list[str], sys_end: int, last_user: int, answer: int, per_token: float
+    ) -> int:
+        """The first history message worth reading: older units cannot fit even at ``per_token`` characters per
+        token, so they are dropped without being validated or tokenized. 0 characters per token: read all."""
         if not per_token:
             return sys_end
         budget = (self.limit - answer) * per_token
@@ -379,8 +472,11 @@ class ContextKeeper:
         for item in final:
             if item.origin is not None:
                 fmt = formats[position[item.origin]]
+                source = original[item.origin]
                 if fmt == "dict":
-                    out.append(item.message.to_dict())
+                    # An unchanged plain dict goes back as the caller's own object (equal to itself, and free);
+                    # other mappings as a new plain dict.
+                    out.append(source if type(source) is dict else item.message.to_dict())
                 elif fmt == "object":
                     out.append(original[item.origin])
                 else:

@@ -46,6 +46,7 @@ class Item:
 
     message: Message
     origin: int | None = None
+    source: Message | None = None  # for a rewrite: the message it was made from (see FitState.reuse)
 
     @property
     def role(self) -> str:
@@ -123,7 +124,7 @@ class FitState:
                 store.clear()
             entry = (source, build())  # the entry holds the source, so its id is not reused while cached
             store[(id(source), key)] = entry
-        return Item(entry[1], None)
+        return Item(entry[1], None, source)
 
     def with_history(self, history: Sequence[Unit], action: Action | None = None) -> FitState:
         actions = self.actions + ((action,) if action is not None else ())

@@ -19,16 +19,24 @@ class SlidingWindow:
 
     Exact: every candidate is counted through the template. The search starts where the previous fit of the
     same keeper started (a growing chat moves that point forward a little), so a turn costs two or three counts.
+    ``slack``: when units must go, the kept history leaves this share of the budget free (0: the longest suffix).
     """
+
+    slack: float = 0.03  # when units must go, leave this share of the budget free
 
     def apply(self, state: FitState) -> FitState:
         history = state.history
         if state.tokens() <= state.limit:
             return state
         starts = [i for i, unit in enumerate(history) if unit and unit[0].role == "user"] + [len(history)]
+        # Dropping a little more than needed means the next turns only append: the prompt's prefix stays the same
+        # for a while (the counter and a server's prefix cache reuse it) instead of shifting on every turn.
+        target = int(state.limit * (1 - self.slack))
+        if state.tokens(history[starts[-1] :]) > target:
+            target = state.limit
 
         def fits(k: int) -> bool:
-            return state.tokens(history[starts[k] :]) <= state.limit
+            return state.tokens(history[starts[k] :]) <= target
 
         memory = state.memory.setdefault("sliding_window", {})
         hint = memory.get("start")
