@@ -298,3 +298,11 @@ def test_a_growing_chat_fitted_turn_by_turn_keeps_every_invariant(messages: list
         except RequestTooLarge:
             continue
         check_invariants(k, prefix, fit, TOOLS, 128)
+
+
+@pytest.mark.slow
+@settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages=conversations(), context=st.sampled_from([700, 1200, 4096]), with_tools=st.booleans())
+def test_every_fit_keeps_its_invariants_10k(messages: list[dict[str, Any]], context: int, with_tools: bool) -> None:
+    """The same property over 10,000 examples: ``pytest -m slow``."""
+    test_every_fit_keeps_its_invariants.hypothesis.inner_test(messages, context, with_tools)  # type: ignore[attr-defined]
