@@ -362,12 +362,10 @@ class IncrementalRenderer:
             return (index == 0, index == count - 1, *map(id, window))
 
         # Look every body up first: only when many are new is one whole (marked) render cheaper.
-        found: list[str | None] = []
+        found: dict[int, str] = {}
         misses = 0
-        for index in range(count):
-            if reuse_from <= index < reuse_to:
-                found.append(None)
-                continue
+        outside = range(count) if reuse_to <= reuse_from else [*range(reuse_from), *range(reuse_to, count)]
+        for index in outside:
             window = _window(messages, index, reach)
             known = memo.get(key_of(index, window))
             if (
@@ -375,9 +373,8 @@ class IncrementalRenderer:
                 and len(known[0]) == len(window)
                 and all(a is b for a, b in zip(known[0], window, strict=True))
             ):
-                found.append(known[1])
+                found[index] = known[1]
             else:
-                found.append(None)
                 misses += 1
         if misses > _BATCH:
             cut = self._render_marked(context, head_text, count)
@@ -396,7 +393,7 @@ class IncrementalRenderer:
                 self.reused += reuse_to - reuse_from
                 index = reuse_to
                 continue
-            known_text = found[index]
+            known_text = found.get(index)
             if known_text is not None:
                 texts.append(known_text)
                 self.reused += 1
