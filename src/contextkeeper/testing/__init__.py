@@ -1,0 +1,1 @@
+"""pytest support for prompt budgets (the plugin registers itself through the ``pytest11`` entry point)."""

@@ -1,0 +1,1 @@
+"""The contextkeeper pytest plugin (being written)."""
