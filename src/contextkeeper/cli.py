@@ -79,7 +79,8 @@ def _fit(args: argparse.Namespace) -> int:
         rows.append(("prompt before", str(report.tokens_before)))
     print(_table(rows, f"fit — {args.tokenizer}, policy {report.policy}, {report.seconds * 1000:.0f} ms"))
     for action in report.actions:
-        print(f"{action.strategy}: {action.detail} (saved {action.saved} tokens)")
+        saved = f"saved {action.saved} tokens" if action.saved is not None else "the history before it was not counted"
+        print(f"{action.strategy}: {action.detail} ({saved})")
     for note in report.notes:
         print(f"note: {note}")
     return 0

@@ -330,6 +330,10 @@ class ContextKeeper:
             counted[key] = (tuple(units), tokens)
             return tokens
 
+        def peek(units: Sequence[Unit]) -> int | None:
+            entry = counted.get(tuple(map(id, units)))
+            return entry[1] if entry is not None and all(a is b for a, b in zip(entry[0], units, strict=True)) else None
+
         prompt_limit = self.limit - answer
         base = count(())
         if base > prompt_limit:
@@ -341,12 +345,13 @@ class ContextKeeper:
             request=request,
             limit=prompt_limit,
             count=count,
+            peek=peek,
             text_tokens=self._text_tokens,
             query=query,
             turn=self._session.turn,
             memory=self._session.memory,
         )
-        before = state.tokens() if horizon <= sys_end else None
+        initial = state.history
         for strategy, trigger in self.pipeline:
             if getattr(strategy, "needs_backend", False) and self.summarizer is None:
                 continue  # a summarising step without a summarizer: the sliding window covers it
@@ -355,6 +360,9 @@ class ContextKeeper:
         state = run_sync(SlidingWindow(), state)
         final = [item for unit in (system, *state.history, request) for item in unit]
         tokens = state.tokens()
+        # Exact when some step counted the history as it came in; None when none had to (it was clearly over the
+        # budget, and tokenizing text about to be dropped would only cost time).
+        before = peek(initial) if horizon <= sys_end else None
         self._remember(messages, sys_end, state.history)
         self._check(final, tokens, prompt_limit, system, request, messages)
         out = self._caller_format(final, conversation, kept_indices, messages)

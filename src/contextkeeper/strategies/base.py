@@ -66,7 +66,7 @@ class Action:
 
     strategy: str
     detail: str
-    saved: int = 0  # tokens saved (exact: counted before and after)
+    saved: int | None = 0  # tokens saved, counted before and after (None: the history before was never tokenized)
     units: int = 0  # units affected
 
 
@@ -95,6 +95,7 @@ class FitState:
     limit: int
     count: Callable[[Sequence[Unit]], int] = field(repr=False, compare=False)
     text_tokens: Callable[[str], int] | None = field(default=None, repr=False, compare=False)
+    peek: Callable[[Sequence[Unit]], int | None] | None = field(default=None, repr=False, compare=False)
     query: str = ""
     turn: int = 0
     actions: tuple[Action, ...] = ()
@@ -109,6 +110,24 @@ class FitState:
         if self.text_tokens is None:
             raise ConfigurationError("this strategy needs the keeper's text counter (FitState.text_tokens)")
         return self.text_tokens(text)
+
+    def saving(self, history: Sequence[Unit]) -> int | None:
+        """Exact tokens ``history`` saves against the current history, or None when the current history was never
+        counted (counting it would mean tokenizing text that a strategy is about to drop)."""
+        before = self.peek(self.history) if self.peek is not None else self.tokens()
+        return None if before is None else before - self.tokens(history)
+
+    def chars(self) -> int:
+        """Characters of the whole prompt's text (cheap; no tokenizer)."""
+        total = 0
+        for unit in (self.system, *self.history, self.request):
+            for item in unit:
+                message = item.message
+                total += sum(map(len, message.text_parts()))
+                for call in message.tool_calls or ():
+                    arguments = call.function.arguments
+                    total += len(arguments) if isinstance(arguments, str) else len(str(arguments))
+        return total
 
     def over(self) -> int:
         """Tokens over the limit (negative: room left)."""
@@ -193,7 +212,14 @@ class OverBudget(Trigger):
     fraction: float = 1.0
 
     def __call__(self, state: FitState) -> bool:
+        # A prompt with more than CHARS_PER_TOKEN characters for every token of the budget is over it whatever
+        # the tokenizer (tokens average 3 to 5 characters): no need to tokenize text that is about to go.
+        if state.chars() > CHARS_PER_TOKEN * self.fraction * state.limit:
+            return True
         return state.tokens() > self.fraction * state.limit
+
+
+CHARS_PER_TOKEN = 8
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,6 @@ class Dedupe:
         new.reverse()
         if not changed and not drop:
             return state
-        before = state.tokens()
-        after = state.tokens(new)
+        saved = state.saving(new)
         detail = f"{changed} repeated message(s) marked, {len(drop) // 2 or len(drop)} old summary unit(s) dropped"
-        return state.with_history(new, Action(strategy="dedupe", detail=detail, saved=before - after, units=changed))
+        return state.with_history(new, Action(strategy="dedupe", detail=detail, saved=saved, units=changed))

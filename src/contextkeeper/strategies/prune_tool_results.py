@@ -18,10 +18,11 @@ def _with(message: Message, text: str) -> Message:
 @register("prune_tool_results")
 @dataclass(frozen=True, kw_only=True)
 class PruneToolResults:
-    """Clear the content of old tool results (oldest first), leaving ``[tool result cleared: name, N tokens]``.
+    """Clear the content of old tool results (oldest first), leaving ``[tool result cleared: name, N characters]``.
 
     ``keep_last``: the newest results that stay; ``exclude_tools``: tools whose results always stay;
-    ``clear_at_least``: fire only when at least this many tokens can be cleared, so clearing happens in batches
+    ``clear_at_least``: fire only when about this many tokens (at 4 characters per token) can be cleared, so
+    clearing happens in batches
     (a cleared result stays cleared in later fits, which keeps the prompt's prefix stable for caches);
     ``clear_inputs``: also replace the calls' arguments with ``{}``.
     """
@@ -30,7 +31,7 @@ class PruneToolResults:
     exclude_tools: tuple[str, ...] = ()
     clear_at_least: int = 2048
     clear_inputs: bool = False
-    placeholder: str = "[tool result cleared: {tool}, {tokens} tokens]"
+    placeholder: str = "[tool result cleared: {tool}, {chars} characters]"
 
     def apply(self, state: FitState) -> FitState:
         memory: set[str] = state.memory.setdefault("prune_tool_results", set())
@@ -55,7 +56,9 @@ class PruneToolResults:
                 sticky.append((u, p, item))
             else:
                 fresh.append((u, p, item))
-                fresh_tokens += state.tokens_of(item.text())
+                # An estimate (4 characters per token) decides the batch: counting exactly would tokenize text
+                # that is about to be cleared. The savings reported are counted exactly.
+                fresh_tokens += len(item.text()) // 4
         chosen = sticky + (fresh if fresh_tokens >= self.clear_at_least else [])
         if not chosen:
             return state
@@ -63,7 +66,7 @@ class PruneToolResults:
         cleared_ids = {str(item.message.tool_call_id or "") for _, _, item in chosen}
         for u, p, item in chosen:
             tool = names.get(str(item.message.tool_call_id or ""), "tool")
-            text = self.placeholder.format(tool=tool, tokens=state.tokens_of(item.text()))
+            text = self.placeholder.format(tool=tool, chars=f"{len(item.text()):,}")
             units[u][p] = state.reuse(item.message, ("prune", text), functools.partial(_with, item.message, text))
         if self.clear_inputs:
             for unit_items in units:
@@ -78,7 +81,7 @@ class PruneToolResults:
                         unit_items[p] = state.reuse(item.message, key, functools.partial(Message.from_dict, data))
         memory.update(cleared_ids)
         new: list[Unit] = [tuple(unit) for unit in units]
-        saved = state.tokens() - state.tokens(new)
+        saved = state.saving(new)
         detail = f"cleared {len(chosen)} old tool result(s), kept the newest {self.keep_last}"
         return state.with_history(
             new, Action(strategy="prune_tool_results", detail=detail, saved=saved, units=len(chosen))

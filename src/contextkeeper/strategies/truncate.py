@@ -56,7 +56,7 @@ class Truncate:
             new.append(tuple(items))
         if not cut:
             return state
-        saved = state.tokens() - state.tokens(new)
+        saved = state.saving(new)
         detail = f"cut {cut} message(s) to {self.max_tokens} tokens"
         return state.with_history(new, Action(strategy="truncate", detail=detail, saved=saved, units=cut))
 
