@@ -22,7 +22,7 @@ class SlidingWindow:
     ``slack``: when units must go, the kept history leaves this share of the budget free (0: the longest suffix).
     """
 
-    slack: float = 0.03  # when units must go, leave this share of the budget free
+    slack: float = 0.05  # when units must go, leave this share of the budget free
 
     def apply(self, state: FitState) -> FitState:
         history = state.history
