@@ -122,6 +122,16 @@ def _text_counter(counter: Any) -> Any:
     return marginal
 
 
+class _LazyRoles:
+    """The messages' roles, read only when asked for (a fit on the sticky path never needs most of them)."""
+
+    def __init__(self, messages: Sequence[Any]) -> None:
+        self._messages = messages
+
+    def __getitem__(self, index: int) -> str:
+        return _role(self._messages[index])
+
+
 @dataclass(frozen=True)
 class _Sticky:
     """The previous fit: the caller's messages it saw, where its history started, and its rewrites by source."""
@@ -206,6 +216,10 @@ class ContextKeeper:
         self.pipeline = self.policy.pipeline()
         self.summarizer = summarizer
         self._text_tokens = _text_counter(self.counter)
+        # Counts of the small fixed parts (system + request, the report's slots) go to a second counter, so the
+        # main counter's incremental state follows the long prompt from fit to fit.
+        fork = getattr(self.counter, "fork", None)
+        self._side: TokenCounter = fork() if callable(fork) else self.counter
         self._session = _Session()
         self._previous: Conversation | None = None
         self.last_fit: Fit | None = None
@@ -241,11 +255,13 @@ class ContextKeeper:
                 fix="pass a list such as [{'role': 'user', 'content': '...'}]",
             )
         tool_list = list(tools) if tools else None
-        roles = [_role(m) for m in messages]
         sys_end = 0
-        while sys_end < len(roles) and roles[sys_end] in ("system", "developer"):
+        while sys_end < len(messages) and _role(messages[sys_end]) in ("system", "developer"):
             sys_end += 1
-        last_user = max((i for i in range(sys_end, len(roles)) if roles[i] == "user"), default=len(roles))
+        last_user = next(
+            (i for i in range(len(messages) - 1, sys_end - 1, -1) if _role(messages[i]) == "user"), len(messages)
+        )
+        roles = _LazyRoles(messages)
         # Read history back to the horizon; when strategies (pruning, summaries) leave room and older history was
         # left unread, read twice as far and fit again. The keeper remembers how far it had to read.
         memory = self._session.memory
@@ -279,7 +295,7 @@ class ContextKeeper:
     def _fit_once(
         self,
         messages: Sequence[MessageLike],
-        roles: list[str],
+        roles: _LazyRoles,
         sys_end: int,
         last_user: int,
         answer: int,
@@ -335,7 +351,8 @@ class ContextKeeper:
             return entry[1] if entry is not None and all(a is b for a, b in zip(entry[0], units, strict=True)) else None
 
         prompt_limit = self.limit - answer
-        base = count(())
+        base = int(self._side.count(_assemble((system, request)), tools=tool_list))
+        counted[()] = ((), base)
         if base > prompt_limit:
             raise self._too_large(base, answer, system, request, tool_list)
         query = "\n".join(item.text() for item in request if item.role == "user")
@@ -414,7 +431,7 @@ class ContextKeeper:
         return call
 
     def _horizon(
-        self, messages: Sequence[Any], roles: list[str], sys_end: int, last_user: int, answer: int, per_token: float
+        self, messages: Sequence[Any], roles: _LazyRoles, sys_end: int, last_user: int, answer: int, per_token: float
     ) -> int:
         """The first history message worth reading: older units cannot fit even at ``per_token`` characters per
         token, so they are dropped without being validated or tokenized. 0 characters per token: read all."""
@@ -498,7 +515,7 @@ class ContextKeeper:
     ) -> dict[str, int]:
         """Tokens per slot in prompt order (each is what it adds to the prompt so far; they sum to the prompt).
         Only the small lists are counted; history is the prompt minus everything that is never trimmed."""
-        count = self.counter.count
+        count = self._side.count
         head = [i.message for i in system]
         asked = [i.message for i in request]
         fixed = [*head, *asked]

@@ -118,7 +118,10 @@ class FitState:
         return None if before is None else before - self.tokens(history)
 
     def chars(self) -> int:
-        """Characters of the whole prompt's text (cheap; no tokenizer)."""
+        """Characters of the whole prompt's text (cheap; no tokenizer; remembered for the current history)."""
+        known = self.memory.get("_chars")
+        if known is not None and known[0] is self.history:
+            return int(known[1])
         total = 0
         for unit in (self.system, *self.history, self.request):
             for item in unit:
@@ -127,6 +130,7 @@ class FitState:
                 for call in message.tool_calls or ():
                     arguments = call.function.arguments
                     total += len(arguments) if isinstance(arguments, str) else len(str(arguments))
+        self.memory["_chars"] = (self.history, total)
         return total
 
     def over(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import ContextKeeperError
-from ..keeper import ContextKeeper, Fit, RequestTooLarge, _Session
+from ..keeper import ContextKeeper, Fit, RequestTooLarge
 from ..messages import Conversation
 from ..tokens import breakdown
 from ..tokens.breakdown import split_slots
@@ -53,7 +53,7 @@ def fresh(keeper: ContextKeeper) -> ContextKeeper:
     """The same keeper (counter, limit, policy) without memory of earlier fits, so that a fit in one test never
     depends on the fits other tests made before it."""
     clone = copy.copy(keeper)
-    clone._session = _Session()
+    clone._session = type(keeper._session)()
     clone._previous = None
     clone.last_fit = None
     return clone

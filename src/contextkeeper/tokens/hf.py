@@ -310,6 +310,20 @@ class HFChatTemplateCounter:
         with self._lock:
             return self._pieces.count(text, lineage=lineage)
 
+    def fork(self) -> HFChatTemplateCounter:
+        """A counter with the same tokenizer and settings and caches of its own, for counts that should not
+        disturb this one's incremental state (small side counts between counts of one long, growing prompt)."""
+        return HFChatTemplateCounter(
+            self.tokenizer,
+            chat_template=self._templates if isinstance(self._templates, str) else None,
+            template_kwargs=self.template_kwargs,
+            view=self.view,
+            content_format=self.content_format,
+            media_cost=self.media_cost,
+            name=self.name,
+            incremental=self.incremental,
+        )
+
     def text_tokens(self, text: str) -> int:
         """Tokens of a snippet on its own (no template, no special tokens), cached by text."""
         if self._pieces is None:
