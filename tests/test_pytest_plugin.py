@@ -23,6 +23,8 @@ from contextkeeper.tokens.breakdown import split_slots
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
+# Inner runs skip the cache and hypothesis's plugin (its summary imports all of hypothesis, every run).
+QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 HEAVY = ("transformers", "torch", "tokenizers", "mistral_common", "sentence_transformers")
 HEADER = """
 import pytest
@@ -84,7 +86,7 @@ def test_passing_and_failing_budgets(pytester: pytest.Pytester, sample: dict[str
             prompt_budget(tokenizer="mistral:tekken", context_window=2048, max_tokens=256).assert_fits(MESSAGES, TOOLS)
         """)
     )
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest(*QUIET)
     result.assert_outcomes(passed=3, failed=1)
     out = result.stdout.str()
     assert "prompt does not fit" in out
@@ -94,7 +96,7 @@ def test_passing_and_failing_budgets(pytester: pytest.Pytester, sample: dict[str
 
 def run_failure(pytester: pytest.Pytester, body: str) -> str:
     pytester.makepyfile(test_failure=module(body))
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest(*QUIET)
     result.assert_outcomes(failed=1)
     # The message as the developer sees it, without pytest's "E   " prefixes.
     return "\n".join(line[4:] if line.startswith("E   ") else line for line in result.stdout.lines)
@@ -203,7 +205,7 @@ def test_configuration_errors_say_where_to_set_things(pytester: pytest.Pytester)
             prompt_budget(tokenizer="mistral:tekken", context_window=100, max_tokens=0)
         """)
     )
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest(*QUIET)
     result.assert_outcomes(failed=3)
     out = result.stdout.str()
     assert "set context_window=N" in out
@@ -264,16 +266,16 @@ def test_marker_and_pyproject_defaults_closest_wins(pytester: pytest.Pytester) -
                 assert budget.settings.source("policy") == PYPROJECT
         """)
     )
-    result = pytester.runpytest("-p", "no:cacheprovider", "--strict-markers")  # the marker is registered
+    result = pytester.runpytest(*QUIET, "--strict-markers")  # the marker is registered
     result.assert_outcomes(passed=4)
-    markers = pytester.runpytest("-p", "no:cacheprovider", "--markers")
+    markers = pytester.runpytest(*QUIET, "--markers")
     markers.stdout.fnmatch_lines(["@pytest.mark.contextkeeper(tokenizer=*): defaults for the prompt_budget fixture*"])
 
 
 def test_pyproject_unknown_key_is_reported(pytester: pytest.Pytester) -> None:
     pytester.makepyprojecttoml('[tool.contextkeeper]\ntokenizer = "mistral:tekken"\ncontext_windw = 1000\n')
     pytester.makepyfile(test_typo="def test_it(prompt_budget):\n    prompt_budget(context_window=10)\n")
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest(*QUIET)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*pyproject.toml [[]tool.contextkeeper[]]: unknown setting(s) 'context_windw'*"])
 
@@ -303,7 +305,7 @@ def test_snapshot_create_compare_update(pytester: pytest.Pytester, sample: dict[
     folder = pytester.path / "__snapshots__" / "test_snap"
     golden, whole = folder / "test_golden.json", folder / "whole_conversation.json"
 
-    first = pytester.runpytest("-p", "no:cacheprovider")  # no snapshot yet: written, and the test fails once
+    first = pytester.runpytest(*QUIET)  # no snapshot yet: written, and the test fails once
     first.assert_outcomes(failed=2)
     first.stdout.fnmatch_lines(["*prompt snapshot *test_golden.json did not exist: it has been written*"])
     first.stdout.fnmatch_lines(["*contextkeeper prompt snapshots*", "wrote *test_golden.json"])
@@ -311,10 +313,10 @@ def test_snapshot_create_compare_update(pytester: pytest.Pytester, sample: dict[
     assert json.loads(golden.read_text()) == {"tokens": fit.tokens, "messages": fit.messages}
     assert json.loads(whole.read_text()) == {"tokens": sample["parts"].tokens, "messages": messages}
 
-    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)  # unchanged: passes
+    pytester.runpytest(*QUIET).assert_outcomes(passed=2)  # unchanged: passes
 
     window.write_text("4096")  # the whole conversation now fits: the pinned prompt changes
-    changed = pytester.runpytest("-p", "no:cacheprovider")
+    changed = pytester.runpytest(*QUIET)
     changed.assert_outcomes(passed=1, failed=1)
     out = changed.stdout.str()
     assert f"the fitted prompt changed from its snapshot {golden}" in out
@@ -322,18 +324,18 @@ def test_snapshot_create_compare_update(pytester: pytest.Pytester, sample: dict[
         f"tokens:   {n(fit.tokens)} -> {n(sample['parts'].tokens)} (+{n(sample['parts'].tokens - fit.tokens)})" in out
     )
     assert f"messages: {len(fit.messages)} -> {len(messages)}" in out
-    assert "added message(s)" in out
+    assert "added: message(s) 1-4 of this run (user, assistant, tool, assistant)" in out
     assert "--- snapshot" in out
     assert "+++ this run" in out
     assert '+  "tokens": ' in out
     assert "accept it: pytest --update-prompt-snapshots" in out
     assert json.loads(golden.read_text())["tokens"] == fit.tokens  # not rewritten without the flag
 
-    update = pytester.runpytest("-p", "no:cacheprovider", "--update-prompt-snapshots")
+    update = pytester.runpytest(*QUIET, "--update-prompt-snapshots")
     update.assert_outcomes(passed=2)
     update.stdout.fnmatch_lines(["updated *test_golden.json"])
     assert json.loads(golden.read_text()) == {"tokens": sample["parts"].tokens, "messages": messages}
-    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+    pytester.runpytest(*QUIET).assert_outcomes(passed=2)
 
 
 # ------------------------------------------------------------------------------------------------ harmless
@@ -368,7 +370,7 @@ def test_an_unrelated_suite_runs_unaffected(pytester: pytest.Pytester) -> None:
             assert 1 + 1 == 2
         """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(*QUIET)
     result.assert_outcomes(passed=1)
     assert "contextkeeper prompt snapshots" not in result.stdout.str()
 

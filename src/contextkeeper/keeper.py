@@ -8,6 +8,7 @@ invariants before it is returned.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -223,6 +224,15 @@ class ContextKeeper:
         self._session = _Session()
         self._previous: Conversation | None = None
         self.last_fit: Fit | None = None
+
+    def fresh(self) -> ContextKeeper:
+        """The same keeper (counter, limit, policy, summarizer) without memory of earlier fits: the next fit is
+        computed from scratch, whatever this keeper fitted before."""
+        clone = copy.copy(self)
+        clone._session = _Session()
+        clone._previous = None
+        clone.last_fit = None
+        return clone
 
     @staticmethod
     def _counter(tokenizer: Any, chat_template: str | None) -> TokenCounter:

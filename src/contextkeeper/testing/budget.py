@@ -6,7 +6,6 @@ messages as given, and each suggested fix is checked with a real count or a real
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,11 +51,7 @@ def build_keeper(settings: BudgetSettings, counters: dict[Any, Any]) -> ContextK
 def fresh(keeper: ContextKeeper) -> ContextKeeper:
     """The same keeper (counter, limit, policy) without memory of earlier fits, so that a fit in one test never
     depends on the fits other tests made before it."""
-    clone = copy.copy(keeper)
-    clone._session = type(keeper._session)()
-    clone._previous = None
-    clone.last_fit = None
-    return clone
+    return keeper.fresh()
 
 
 @dataclass(frozen=True)
@@ -232,6 +227,7 @@ def _history_fixes(budget: PromptBudget, messages: Sequence[Any], tools: list[An
         fixes.append(
             f"trimming history cannot fix it: without any history the prompt still needs {_n(fixed)} tokens "
             f"+ {_n(answer)} for the answer, {_n(fixed + answer - limit)} over the limit"
+            + (f" (with max_tokens <= {_n(limit - fixed)} it would fit)" if fixed < limit else "")
         )
         return fixes
     low, high = 1, len(units)  # the smallest k that fits lies in [low, high]

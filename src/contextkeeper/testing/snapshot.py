@@ -128,11 +128,14 @@ def _changed_messages(old: list[Any], new: list[Any]) -> list[str]:
     out: list[str] = []
     for tag, a0, a1, b0, b1 in difflib.SequenceMatcher(a=key[0], b=key[1], autojunk=False).get_opcodes():
         if tag == "delete":
-            out.append(f"removed message(s) {_span(a0, a1)} ({_roles(old[a0:a1])})")
+            out.append(f"removed: snapshot message(s) {_span(a0, a1)} ({_roles(old[a0:a1])})")
         elif tag == "insert":
-            out.append(f"added message(s) {_span(b0, b1)} ({_roles(new[b0:b1])})")
+            out.append(f"added: message(s) {_span(b0, b1)} of this run ({_roles(new[b0:b1])})")
         elif tag == "replace":
-            out.append(f"changed message(s) {_span(a0, a1)} -> {_span(b0, b1)} ({_roles(new[b0:b1])})")
+            out.append(
+                f"changed: snapshot message(s) {_span(a0, a1)} -> message(s) {_span(b0, b1)} of this run "
+                f"({_roles(new[b0:b1])})"
+            )
     return out
 
 
