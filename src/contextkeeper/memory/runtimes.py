@@ -318,19 +318,8 @@ class VLLM(Runtime):
                     replace(layer, dtype=kv, v_dim=0, block=settings.block_size or 64, token_bytes_override=packed)
                 )
             elif isinstance(layer, RecurrentState):
-                state_dtype = _state_dtype(model) or model.dtype
                 copies = {"none": 1, "align": 2, "all": 1}[settings.mamba_cache_mode]
-                out.append(
-                    replace(
-                        layer,
-                        conv_width=layer.conv_kernel - 1,
-                        conv_channels=layer.conv_channels // settings.tp,
-                        ssm_values=layer.ssm_values // settings.tp,
-                        conv_dtype=model.dtype,
-                        ssm_dtype=state_dtype,
-                        copies=copies,
-                    )
-                )
+                out.append(replace(_server_state(layer, model, settings.tp), copies=copies))
             else:
                 out.append(layer)
         if any(isinstance(layer, SlidingAttention) for layer in model.layers):
@@ -369,6 +358,19 @@ class VLLM(Runtime):
                 per = per * max(1, _cdiv(tokens, _attention_block(layers) or 16))
             total += padded * per
         return sequences * total
+
+
+def _server_state(layer: RecurrentState, model: ModelSpec, tp: int) -> RecurrentState:
+    """A state as vLLM and SGLang keep it: ``kernel - 1`` conv columns, split over ``tp`` GPUs, in the model's
+    dtype (the SSM state in ``mamba_ssm_dtype`` when the config names one)."""
+    return replace(
+        layer,
+        conv_width=layer.conv_kernel - 1,
+        conv_channels=layer.conv_channels // tp,
+        ssm_values=layer.ssm_values // tp,
+        conv_dtype=model.dtype,
+        ssm_dtype=_state_dtype(model) or model.dtype,
+    )
 
 
 def _state_dtype(model: ModelSpec) -> DType | None:
@@ -426,16 +428,7 @@ class SGLang(Runtime):
             elif isinstance(layer, MLAttention):
                 out.append(replace(layer, dtype=kv, v_dim=0))
             elif isinstance(layer, RecurrentState):
-                out.append(
-                    replace(
-                        layer,
-                        conv_width=layer.conv_kernel - 1,
-                        conv_channels=layer.conv_channels // settings.tp,
-                        ssm_values=layer.ssm_values // settings.tp,
-                        conv_dtype=model.dtype,
-                        ssm_dtype=_state_dtype(model) or model.dtype,
-                    )
-                )
+                out.append(_server_state(layer, model, settings.tp))
             else:
                 out.append(layer)
         if any(isinstance(layer, SlidingAttention) for layer in model.layers):

@@ -37,6 +37,7 @@ __all__ = [
     "register",
     "run_async",
     "run_sync",
+    "with_content",
 ]
 
 
@@ -273,29 +274,36 @@ Backend = Callable[[LLMCall], str]
 AsyncBackend = Callable[[LLMCall], Awaitable[str]]
 
 
+def _resume(steps: Step, reply: str | None = None, error: BaseException | None = None) -> LLMCall | FitState:
+    """Hand the strategy its reply (or the backend's error); its next model call, or its final state."""
+    try:
+        return steps.throw(error) if error is not None else steps.send(reply)  # type: ignore[arg-type]
+    except StopIteration as done:
+        final: FitState = done.value
+        return final
+
+
+def _needs(backend: object) -> None:
+    if backend is None:
+        raise ConfigurationError("this strategy needs a summarizer backend: pass summarizer=... to the keeper")
+
+
 def run_sync(strategy: Strategy, state: FitState, backend: Backend | None = None) -> FitState:
     """Apply ``strategy``, answering its model calls with ``backend``."""
     result = strategy.apply(state)
     if isinstance(result, FitState):
         return result
-    return _drive(result, backend)
-
-
-def _drive(steps: Step, backend: Backend | None) -> FitState:
-    try:
-        call = next(steps)
-        while True:
-            if backend is None:
-                raise ConfigurationError("this strategy needs a summarizer backend: pass summarizer=... to the keeper")
-            try:
-                reply = backend(call)
-            except Exception as exc:
-                call = steps.throw(exc)
-                continue
-            call = steps.send(reply)
-    except StopIteration as done:
-        final: FitState = done.value
-        return final
+    pending = _resume(result)  # send(None) starts the generator, as next() does
+    while isinstance(pending, LLMCall):
+        _needs(backend)
+        assert backend is not None
+        try:
+            reply = backend(pending)
+        except Exception as exc:
+            pending = _resume(result, error=exc)
+        else:
+            pending = _resume(result, reply)
+    return pending
 
 
 async def run_async(strategy: Strategy, state: FitState, backend: AsyncBackend | Backend | None = None) -> FitState:
@@ -303,23 +311,26 @@ async def run_async(strategy: Strategy, state: FitState, backend: AsyncBackend |
     result = strategy.apply(state)
     if isinstance(result, FitState):
         return result
-    steps: Step = result
-    try:
-        call = next(steps)
-        while True:
-            if backend is None:
-                raise ConfigurationError("this strategy needs a summarizer backend: pass summarizer=... to the keeper")
-            try:
-                reply = backend(call)
-                if inspect.isawaitable(reply):
-                    reply = await reply
-            except Exception as exc:
-                call = steps.throw(exc)
-                continue
-            call = steps.send(str(reply))
-    except StopIteration as done:
-        final: FitState = done.value
-        return final
+    pending = _resume(result)
+    while isinstance(pending, LLMCall):
+        _needs(backend)
+        assert backend is not None
+        try:
+            reply = backend(pending)
+            if inspect.isawaitable(reply):
+                reply = await reply
+        except Exception as exc:
+            pending = _resume(result, error=exc)
+        else:
+            pending = _resume(result, str(reply))
+    return pending
+
+
+def with_content(message: Message, content: str) -> Message:
+    """``message`` with its content replaced (role, ids and every other field kept)."""
+    data = message.to_dict()
+    data["content"] = content
+    return Message.from_dict(data)
 
 
 @dataclass(frozen=True)

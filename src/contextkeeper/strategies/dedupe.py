@@ -5,16 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..messages import Message
-from .base import Action, FitState, Unit, register
-
-SUMMARY_PREFIX = "Summary of the earlier conversation:"
-
-
-def _with(message: Message, text: str) -> Message:
-    data = message.to_dict()
-    data["content"] = text
-    return Message.from_dict(data)
+from .base import Action, FitState, Unit, register, with_content
+from .summarize import SUMMARY_PREFIX
 
 
 @register("dedupe")
@@ -58,7 +50,9 @@ class Dedupe:
                 key = (item.role, text)
                 if key in seen:
                     items[position] = state.reuse(
-                        item.message, ("dedupe", self.marker), functools.partial(_with, item.message, self.marker)
+                        item.message,
+                        ("dedupe", self.marker),
+                        functools.partial(with_content, item.message, self.marker),
                     )
                     changed += 1
                 else:

@@ -6,13 +6,7 @@ import functools
 from dataclasses import dataclass
 
 from ..messages import Message
-from .base import Action, FitState, Item, Unit, register
-
-
-def _with(message: Message, text: str) -> Message:
-    data = message.to_dict()
-    data["content"] = text
-    return Message.from_dict(data)
+from .base import Action, FitState, Item, Unit, register, with_content
 
 
 @register("prune_tool_results")
@@ -67,7 +61,9 @@ class PruneToolResults:
         for u, p, item in chosen:
             tool = names.get(str(item.message.tool_call_id or ""), "tool")
             text = self.placeholder.format(tool=tool, chars=f"{len(item.text()):,}")
-            units[u][p] = state.reuse(item.message, ("prune", text), functools.partial(_with, item.message, text))
+            units[u][p] = state.reuse(
+                item.message, ("prune", text), functools.partial(with_content, item.message, text)
+            )
         if self.clear_inputs:
             for unit_items in units:
                 for p, item in enumerate(unit_items):
