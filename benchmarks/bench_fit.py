@@ -413,7 +413,7 @@ def measure(
         row.per_turn_calls = len(later)
     build_s = method.state.get("build_s")
     if build_s is not None:
-        row.notes.append(f"keeper built in {build_s:.2f} s")
+        row.notes.append(f"keeper built in {build_s:.2f} s (tokenizer loaded, template compiled; not part of cold)")
 
     # The cold call's output (deterministic across repeats), in full; every per-turn output checked for fit.
     out = cold.messages
@@ -580,6 +580,9 @@ def reading(rows: list[Row]) -> list[str]:
         odd = [r for r in mine if r.well_formed != "yes"]
         if odd:
             parts.append("Not well-formed: " + "; ".join(f"{r.method} ({r.well_formed})" for r in odd) + ".")
+        noted = [r for r in rows if r.template == label and r.notes]
+        if noted:
+            parts.append(" ".join(f"{r.method}: {'; '.join(r.notes)}." for r in noted))
         failed = [r for r in rows if r.template == label and r.error]
         if failed:
             parts.append("Raised: " + "; ".join(f"{r.method} (`{r.error}`)" for r in failed) + ".")
@@ -634,6 +637,7 @@ def main() -> int:
     if args.quick:
         args.turns, args.peer_turns, args.repeats = min(args.turns, 5), min(args.peer_turns, 1), 1
     started = time.perf_counter()
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cases = [case for case in CASES if not args.template or case[0] in args.template]
     rows = [row for case in cases for row in run_case(*case, args=args)]
     print(json.dumps([asdict(r) for r in rows], indent=1))
@@ -644,6 +648,9 @@ def main() -> int:
         f"{_version('llama-index-core')}, litellm {_version('litellm')}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs"
     )
+    if load_before is not None:
+        # The machine may be shared: timings scale with the load (runnable processes per CPU).
+        env += f", load average {load_before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end"
     flags = []
     if args.turns != 30 or args.peer_turns != 2 or args.repeats != 3:
         flags.append(f"--turns {args.turns} --peer-turns {args.peer_turns} --repeats {args.repeats}")

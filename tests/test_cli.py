@@ -70,10 +70,25 @@ def test_count_console_script_with_mistral(tmp_path: Path) -> None:
     assert out["tokens"] == ck.load_counter("mistral:tekken").count(tool_round(), tools=TOOLS)
 
 
-def test_demo_runs_offline(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--json"]) == 0
+def test_count_demo_runs_offline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--count", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     turns = out["turns"]
     assert [t["last"] for t in turns] == ["user", "tool", "user", "tool", "user"]
     assert all(t["tokens"] > 0 for t in turns)
     assert all(b["tokens"] > a["tokens"] for a, b in itertools.pairwise(turns))
+
+
+def test_chat_demo_fits_every_call_under_the_gpu_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "GPU" in out["limit_source"]
+    assert out["limit"] < 32768
+    for turn in out["turns"]:
+        assert turn["tokens"] + turn["answer"] <= out["limit"]
+        assert turn["kv_bytes"] > 0
+        assert 0 < turn["gpu_share"] < 1
+    assert any(turn["actions"] for turn in out["turns"])  # the chat outgrew the limit and was fitted
+    assert out["removed_from_prompts"] > 0
+    last = out["turns"][-1]
+    assert sum(last[k] for k in ("system", "tools", "history", "request")) <= last["tokens"]

@@ -188,3 +188,39 @@ def test_a_repeated_prompt_resumes_near_its_end() -> None:
     counter.count_text(text)
     start, _, _ = counter._pieces._resume_point(text + "more")  # type: ignore[union-attr]
     assert start > len(text) - 100
+
+
+_BOUND_COUNTERS: dict[str, ck.HFChatTemplateCounter] = {}
+
+
+@pytest.mark.parametrize(("vocab", "rule"), [("qwen2", "ascii"), ("llama-bpe", "any"), ("phi-3", None)])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=80) | _text)
+def test_the_byte_bound_never_undercounts(vocab: str, rule: str | None, text: str) -> None:
+    # Byte-level BPE: at most one token per UTF-8 byte (NFC may lengthen non-ASCII text, so Qwen's bound covers
+    # ASCII only); SentencePiece models get no bound.
+    if vocab not in _BOUND_COUNTERS:
+        _BOUND_COUNTERS[vocab] = ck.HFChatTemplateCounter(
+            hf_tokenizer(vocab), chat_template=template("Qwen-Qwen2.5-7B-Instruct")
+        )
+    counter = _BOUND_COUNTERS[vocab]
+    assert counter._pieces is not None
+    assert counter._pieces._bound == rule
+    bound = counter.text_tokens_bound(text)
+    if bound is not None:
+        assert counter.text_tokens(text) <= bound
+    assert (bound is None) == (rule is None or (rule == "ascii" and not text.isascii()))
+
+
+def test_a_fork_shares_the_piece_cache_but_not_the_resume_state() -> None:
+    tokenizer = hf_tokenizer("qwen2")
+    counter = ck.HFChatTemplateCounter(tokenizer, chat_template=template("Qwen-Qwen2.5-7B-Instruct"))
+    side = counter.fork()
+    chat = [{"role": "user", "content": "A long question about flights " * 40}]
+    side.count(chat, tools=TOOLS)
+    before = counter.encoded_chars
+    assert counter.count(chat, tools=TOOLS) == fresh_count("Qwen-Qwen2.5-7B-Instruct", "qwen2", chat, TOOLS)
+    assert counter.encoded_chars - before < 100  # the side counter's pieces were not tokenized again
+    grown = [*chat, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "And trains?"}]
+    assert side.count(grown) == fresh_count("Qwen-Qwen2.5-7B-Instruct", "qwen2", grown, None)
+    assert counter.count(grown, tools=TOOLS) == fresh_count("Qwen-Qwen2.5-7B-Instruct", "qwen2", grown, TOOLS)

@@ -22,3 +22,62 @@ def test_plan_gpu_example() -> None:
     assert "vllm" in done.stdout
     assert "RTX 4090, 4 × 32K on vLLM: does not fit" in done.stdout
     assert "cheapest GPU options" in done.stdout
+
+
+def test_openai_chat_loop_example() -> None:
+    from assets import require_assets, tokenizer_dir
+    from openai_server import ChatServer
+
+    require_assets()
+    with ChatServer(tokenizer_dir("qwen2"), max_model_len=1024) as server:
+        server.replies.extend(["Customs: check the EORI number and the T1 transit document. " * 4] * 20)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(EXAMPLES / "openai_chat_loop.py"),
+                *("--base-url", server.base_url, "--tokenizer", str(tokenizer_dir("qwen2"))),
+                *("--context", "1024", "--turns", "16", "--max-tokens", "64"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert server.accepted == 16
+        assert server.rejected == 0
+    rows = [line.split() for line in done.stdout.splitlines()[1:17]]
+    assert all(row[3] == row[4] for row in rows)  # our count is the server's, turn after turn
+    assert "sliding_window" in done.stdout
+
+
+def test_local_transformers_example() -> None:
+    from assets import require_assets, tokenizer_dir
+
+    require_assets()
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "local_transformers.py"), "--tokenizer", str(tokenizer_dir("qwen2"))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert len(rows) == 8
+    assert all(row[2] == row[3] for row in rows)  # the model was fed exactly the tokens we counted
+    assert all(row[4] == row[5] for row in rows)  # the cache held exactly the predicted bytes
+
+
+def test_agent_with_tools_example() -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "agent_with_tools.py")], capture_output=True, text=True, check=True
+    )
+    assert "prune_tool_results: cleared" in done.stdout
+    assert "0 dropped" in done.stdout  # old results became placeholders; no turn had to go
+    prompts = [int(line.split()[3]) for line in done.stdout.splitlines()[1:21]]
+    assert max(prompts) + 512 <= 8192
+
+
+def test_diagnose_profile_example() -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "diagnose_profile.py")], capture_output=True, text=True, check=True
+    )
+    assert "every step exact: True" in done.stdout
+    assert "monitor: [leak]" in done.stdout

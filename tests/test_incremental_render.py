@@ -121,3 +121,59 @@ def test_equal_but_different_messages_are_not_taken_for_the_same() -> None:
     assert chat(1) == chat(True)
     assert '"n": 1' in counter.render(chat(1))
     assert '"n": true' in counter.render(chat(True))
+
+
+GUARDED = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages[0:] %}{% if m.role == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if loop.index0 > ns.last %}<new>{% else %}<old>{% endif %}{{ m.content }}"
+    "{% endfor %}"
+)
+# The same with a nested loop whose own ``loop.index0`` is compared: that comparison stays in the body.
+NESTED = GUARDED.replace(
+    "{{ m.content }}", "{{ m.content }}{% for part in [1, 2] %}{% if loop.index0 == 1 %}.{% endif %}{% endfor %}"
+)
+
+
+def test_a_comparison_of_the_position_with_a_loop_wide_value_is_taken_out_of_the_body() -> None:
+    # Qwen3 strips reasoning from turns before the last user query: ``loop.index0 > ns.last_query_index``. The
+    # comparison becomes a per-message boolean in the memo key, so bodies are reused when the list shifts or
+    # grows, except where the comparison's result changed.
+    split = split_template(compile_template(GUARDED), GUARDED)
+    assert split is not None
+    assert not split.positional
+    assert len(split.guards) == 1
+    nested = split_template(compile_template(NESTED), NESTED)
+    assert nested is not None
+    assert len(nested.guards) == 1
+    qwen3 = split_template(compile_template(template("Qwen-Qwen3-0.6B")), template("Qwen-Qwen3-0.6B"))
+    assert qwen3 is not None
+    assert qwen3.guards
+    assert not qwen3.positional
+    tokenizer = hf_tokenizer("qwen2")
+    for source in (GUARDED, NESTED):
+        fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source)
+        whole = ck.HFChatTemplateCounter(tokenizer, chat_template=source, incremental=False)
+        chat: list[dict[str, Any]] = [{"role": "user", "content": "u0"}]
+        for step in range(6):
+            chat = [*chat, {"role": "assistant", "content": f"a{step}"}]
+            assert fast.render(chat) == whole.render(chat)
+            chat = [*chat, {"role": "user", "content": f"u{step + 1}"}]
+            assert fast.render(chat) == whole.render(chat)
+            if step % 2:
+                chat = chat[2:]  # the oldest turn dropped: every position shifts
+                assert fast.render(chat) == whole.render(chat)
+        renderer = next(r for r in fast._renderers.values() if r is not None)
+        assert renderer.reused > 0
+
+
+def test_a_guard_the_template_cannot_evaluate_renders_whole() -> None:
+    source = "{% for m in messages %}{% if loop.index0 > limit %}!{% endif %}{{ m.content }}{% endfor %}"
+    tokenizer = hf_tokenizer("qwen2")
+    fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source)
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(ck.ChatTemplateError):  # ``limit`` is undefined: the template itself fails, clearly
+        fast.render(chat)
+    fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source, template_kwargs={"limit": 0})
+    whole = ck.HFChatTemplateCounter(tokenizer, chat_template=source, template_kwargs={"limit": 0}, incremental=False)
+    assert fast.render(chat) == whole.render(chat) == "a!b"

@@ -306,3 +306,45 @@ def test_a_growing_chat_fitted_turn_by_turn_keeps_every_invariant(messages: list
 def test_every_fit_keeps_its_invariants_10k(messages: list[dict[str, Any]], context: int, with_tools: bool) -> None:
     """The same property over 10,000 examples: ``pytest -m slow``."""
     test_every_fit_keeps_its_invariants.hypothesis.inner_test(messages, context, with_tools)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("name", "vocab"),
+    [(QWEN, "qwen2"), ("Qwen-Qwen3-0.6B", "qwen2"), ("meta-llama-Llama-3.3-70B-Instruct", "llama-bpe")],
+)
+def test_a_turn_built_from_the_previous_fit_equals_one_built_from_scratch(name: str, vocab: str) -> None:
+    """Per turn, the keeper extends the previous fit's history with what arrived instead of rebuilding it; the
+    fits must be the very ones a rebuild gives (same messages, tokens and report), turn after turn."""
+    steps = (
+        PolicyStep(strategy="prune_tool_results", keep_last=2, clear_at_least=100),
+        PolicyStep(strategy="truncate", max_tokens=200),
+    )
+    messages = agent_chat(40)
+    stops = [i + 1 for i, m in enumerate(messages) if m["role"] in ("user", "tool")]
+    fast, slow = keeper(3000, *steps, name=name, vocab=vocab), keeper(3000, *steps, name=name, vocab=vocab)
+    slow._grown = lambda *args: None  # type: ignore[method-assign]  # always rebuilt from scratch
+    grown = 0
+    for stop in stops[5:]:
+        sticky = fast._session.memory.get("_sticky")
+        fit = fast.fit(messages[:stop], tools=TOOLS, max_tokens=256)
+        grown += sticky is not None and sticky.horizon == sticky.start
+        reference = slow.fit(messages[:stop], tools=TOOLS, max_tokens=256)
+        assert fit.messages == reference.messages
+        assert fit.tokens == reference.tokens
+        assert fit.report.slots == reference.report.slots
+        assert [a.strategy for a in fit.report.actions] == [a.strategy for a in reference.report.actions]
+    check_invariants(fast, messages[: stops[-1]], fit, TOOLS, 256)
+    assert grown > 0
+
+
+def test_an_earlier_message_edited_in_place_is_counted_as_it_is_now() -> None:
+    k = keeper(3000, PolicyStep(strategy="prune_tool_results", keep_last=2, clear_at_least=100))
+    messages = agent_chat(12)
+    k.fit(messages, tools=TOOLS, max_tokens=256)
+    target = next(i for i in range(len(messages) - 8, len(messages)) if messages[i]["role"] == "user")
+    messages[target]["content"] += " and also a much longer note " * 20  # the same dict, changed in place
+    messages.append({"role": "assistant", "content": "Done."})
+    messages.append({"role": "user", "content": "Thanks."})
+    fit = k.fit(messages, tools=TOOLS, max_tokens=256)
+    check_invariants(k, messages, fit, TOOLS, 256)
+    assert messages[target] in fit.messages

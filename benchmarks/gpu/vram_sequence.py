@@ -4,6 +4,7 @@ For each model: the baseline after load, then one prefill per prompt length and 
 cache's real tensor bytes, the memory still allocated afterwards and the peak (``torch.cuda.max_memory_allocated``)
 above the baseline, next to the textbook prediction ``2 x layers x kv_heads x head_dim x tokens x batch x bytes``.
 Writes JSON for the memory model to be checked against (CI has no GPU; this is ground truth from a real one).
+Then runs the same sequence through ``contextkeeper.diagnose.profile`` (under "profiles" in the JSON).
 
     python benchmarks/gpu/vram_sequence.py OUT.json
 """
@@ -196,6 +197,30 @@ def main() -> int:
             print(json.dumps({k: v for k, v in run.items() if k != "config"})[:1500], flush=True)
             with open(out_path, "w") as handle:
                 json.dump(results, handle, indent=1)
+    # The same sequence through contextkeeper's own profiler (cache storage vs prediction, allocator peaks,
+    # jumps), so the library's GPU path is checked on real hardware; a failure here keeps the runs above.
+    results["profiles"] = []
+    for name, facts in MODELS.items():
+        started = time.perf_counter()
+        try:
+            from contextkeeper.diagnose import profile
+
+            report = profile(
+                {**facts, "torch_dtype": "bfloat16"},
+                device="cuda",
+                lengths=LENGTHS,
+                new_tokens=(32, 128),
+                batches=(1, 2, 4, 8),
+                batch_tokens=2048,
+            )
+            entry: dict[str, Any] = {"model": name, **report.to_dict()}
+            print(report.table(), flush=True)
+        except Exception as exc:
+            entry = {"model": name, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        entry["wall_s"] = round(time.perf_counter() - started, 1)
+        results["profiles"].append(entry)
+        with open(out_path, "w") as handle:
+            json.dump(results, handle, indent=1)
     return 0
 
 

@@ -13,20 +13,28 @@ from ._exceptions import (
     ChatTemplateError,
     ConfigurationError,
     ContextKeeperError,
+    ContextLengthExceeded,
     CountingError,
     InvalidMessage,
     MessageError,
     MissingToolResult,
     ModelConfigError,
     OrphanToolResult,
+    OutOfMemory,
+    ProviderError,
     TokenizerNotFound,
+    TransportError,
     UnknownGPU,
     UnknownModel,
     UnsupportedContent,
 )
 
 if TYPE_CHECKING:  # the names, for type checkers; at run time they load on first use
+    from .backends import CallReport, DriftWarning
+    from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, UnknownSymptom, profile
+    from .diagnose import diagnose as doctor
     from .keeper import ContextKeeper, Fit, FitReport, InvariantViolation, RequestTooLarge
+    from .ledger import AdmissionTimeout, ExceedsCapacity, Ledger
     from .memory import (
         GPU,
         DetectedGPU,
@@ -53,15 +61,21 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
         breakdown,
         load_counter,
     )
+    from .transcript import Transcript, TranscriptEntry, open_transcript
 
 # Importing contextkeeper (and so its pytest plugin, in every test session) stays cheap: each name's module is
 # imported when the name is first used.
 _LAZY: dict[str, str] = {
+    "AdmissionTimeout": ".ledger",
     "Breakdown": ".tokens",
+    "CallReport": ".backends",
     "ContentPart": ".messages",
     "ContextKeeper": ".keeper",
     "Conversation": ".messages",
     "DetectedGPU": ".memory",
+    "Diagnosis": ".diagnose",
+    "DriftWarning": ".backends",
+    "ExceedsCapacity": ".ledger",
     "Fit": ".keeper",
     "FitReport": ".keeper",
     "FunctionCall": ".messages",
@@ -69,59 +83,79 @@ _LAZY: dict[str, str] = {
     "HFChatTemplateCounter": ".tokens",
     "InvariantViolation": ".keeper",
     "KVReport": ".memory",
+    "Ledger": ".ledger",
     "Measurement": ".tokens",
     "MediaCost": ".tokens",
+    "MemoryMonitor": ".diagnose",
     "Message": ".messages",
     "MistralCounter": ".tokens",
     "ModelSpec": ".memory",
+    "MonitorReport": ".diagnose",
     "Plan": ".memory",
     "PlanSettings": ".memory",
     "Policy": ".policy",
     "PolicyError": ".policy",
+    "ProfileReport": ".diagnose",
     "Recommendation": ".memory",
     "RequestTooLarge": ".keeper",
     "TokenCounter": ".tokens",
     "ToolCall": ".messages",
+    "Transcript": ".transcript",
+    "TranscriptEntry": ".transcript",
     "Unit": ".messages",
+    "UnknownSymptom": ".diagnose",
     "breakdown": ".tokens",
     "detect_gpus": ".memory",
     "find_gpu": ".memory",
     "gpu_catalog": ".memory",
     "load_counter": ".tokens",
     "load_policy": ".policy",
+    "open_transcript": ".transcript",
     "plan": ".memory",
+    "profile": ".diagnose",
     "raw_view": ".messages",
     "recommend": ".memory",
     "server_view": ".messages",
 }
 
 
+# Names that differ from the module's own: ``contextkeeper.diagnose`` is a subpackage, so its function is
+# exported as ``doctor`` (the CLI command's name) rather than shadowing the package.
+_ALIASES: dict[str, tuple[str, str]] = {"doctor": (".diagnose", "diagnose")}
+
+
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+    module, attribute = _ALIASES.get(name) or (_LAZY.get(name), name)
     if module is None:
         raise AttributeError(f"module 'contextkeeper' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module, __name__), attribute)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_ALIASES))
 
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPU",
+    "AdmissionTimeout",
     "Breakdown",
+    "CallReport",
     "ChatTemplateError",
     "ConfigurationError",
     "ContentPart",
     "ContextKeeper",
     "ContextKeeperError",
+    "ContextLengthExceeded",
     "Conversation",
     "CountingError",
     "DetectedGPU",
+    "Diagnosis",
+    "DriftWarning",
+    "ExceedsCapacity",
     "Fit",
     "FitReport",
     "FunctionCall",
@@ -129,36 +163,49 @@ __all__ = [
     "InvalidMessage",
     "InvariantViolation",
     "KVReport",
+    "Ledger",
     "Measurement",
     "MediaCost",
+    "MemoryMonitor",
     "Message",
     "MessageError",
     "MissingToolResult",
     "MistralCounter",
     "ModelConfigError",
     "ModelSpec",
+    "MonitorReport",
     "OrphanToolResult",
+    "OutOfMemory",
     "Plan",
     "PlanSettings",
     "Policy",
     "PolicyError",
+    "ProfileReport",
+    "ProviderError",
     "Recommendation",
     "RequestTooLarge",
     "TokenCounter",
     "TokenizerNotFound",
     "ToolCall",
+    "Transcript",
+    "TranscriptEntry",
+    "TransportError",
     "Unit",
     "UnknownGPU",
     "UnknownModel",
+    "UnknownSymptom",
     "UnsupportedContent",
     "__version__",
     "breakdown",
     "detect_gpus",
+    "doctor",
     "find_gpu",
     "gpu_catalog",
     "load_counter",
     "load_policy",
+    "open_transcript",
     "plan",
+    "profile",
     "raw_view",
     "recommend",
     "server_view",

@@ -8,30 +8,45 @@ ContextKeeperError
 │   ├── TokenizerNotFound          the tokenizer spec names nothing we can load
 │   ├── ModelConfigError           a model config that is malformed, incomplete or has an unknown layer kind
 │   ├── UnknownModel               a model name that is no file, folder, cached hub id or catalog entry
-│   └── UnknownGPU                 a GPU name not in the catalog (.matches: the closest names)
+│   ├── UnknownGPU                 a GPU name not in the catalog (.matches: the closest names)
+│   ├── UnknownSymptom             a doctor symptom that does not exist (diagnose/doctor.py)
+│   └── PolicyError                a policy file with an unknown key or value (policy.py)
+├── AdmissionTimeout               a call waited admission_timeout for KV room in the ledger (ledger.py)
+├── ExceedsCapacity                one call needs more KV tokens than the whole capacity (ledger.py)
+├── UnknownCall                    a transcript call number that was never recorded (transcript.py)
 ├── MessageError                   .index: the offending message's position (None: the list itself)
 │   ├── InvalidMessage             unknown role, bad content type, missing id, malformed tool call
 │   ├── OrphanToolResult           a tool result whose call id no earlier assistant message made
 │   └── MissingToolResult          an assistant's tool calls without results before the next turn
-└── CountingError
-    ├── ChatTemplateError          no template, or the template raised (its own message is kept)
-    └── UnsupportedContent         a content part we cannot count and no per-part cost was set
+├── CountingError
+│   ├── ChatTemplateError          no template, or the template raised (its own message is kept)
+│   └── UnsupportedContent         a content part we cannot count and no per-part cost was set
+└── ProviderError                  a model call failed (mapped from the backend's own error in backends/errors.py)
+    ├── ContextLengthExceeded      the server kept refusing the prompt as too long after every recovery
+    ├── OutOfMemory                the local model ran out of memory after every recovery
+    └── TransportError             timeouts, connection drops, 429/5xx or malformed replies after every retry
 ```
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ChatTemplateError",
     "ConfigurationError",
     "ContextKeeperError",
+    "ContextLengthExceeded",
     "CountingError",
     "InvalidMessage",
     "MessageError",
     "MissingToolResult",
     "ModelConfigError",
     "OrphanToolResult",
+    "OutOfMemory",
+    "ProviderError",
     "TokenizerNotFound",
+    "TransportError",
     "UnknownGPU",
     "UnknownModel",
     "UnsupportedContent",
@@ -114,3 +129,45 @@ class ChatTemplateError(CountingError):
 
 class UnsupportedContent(CountingError):
     """A content part whose token cost is unknown for this model and was not configured."""
+
+
+class ProviderError(ContextKeeperError):
+    """A model call failed. ``report`` is the last fit's report (None when no fit was made), ``attempts`` the
+    number of calls made, ``cause`` the backend's own exception (also chained as ``__cause__``)."""
+
+    def __init__(
+        self, message: str, *, report: Any = None, attempts: int = 1, cause: BaseException | None = None
+    ) -> None:
+        self.report = report
+        self.attempts = attempts
+        self.cause = cause
+        super().__init__(message)
+
+
+class ContextLengthExceeded(ProviderError, ValueError):
+    """The server refused the prompt as longer than its context, and every shrink-and-retry was refused too.
+
+    ``limit`` and ``prompt_tokens`` are the numbers the server reported last (None where it gave none)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: int | None = None,
+        prompt_tokens: int | None = None,
+        report: Any = None,
+        attempts: int = 1,
+        cause: BaseException | None = None,
+    ) -> None:
+        self.limit = limit
+        self.prompt_tokens = prompt_tokens
+        super().__init__(message, report=report, attempts=attempts, cause=cause)
+
+
+class OutOfMemory(ProviderError, MemoryError):
+    """The local model ran out of (GPU) memory on the fitted prompt, and smaller prompts failed too."""
+
+
+class TransportError(ProviderError, ConnectionError):
+    """The server could not be reached or answered with a timeout, 429, 5xx or a malformed body, after every
+    retry."""

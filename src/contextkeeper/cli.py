@@ -101,9 +101,11 @@ def _policy(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import run_count_demo, run_demo
 
-    return run_demo(tokenizer=args.tokenizer, as_json=args.json)
+    if args.count:
+        return run_count_demo(tokenizer=args.tokenizer, as_json=args.json)
+    return run_demo(as_json=args.json)
 
 
 def _runtime_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -208,6 +210,69 @@ def _recommend(args: argparse.Namespace) -> int:
     return 0 if options else 1
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from .diagnose import Facts, diagnose
+
+    facts = Facts(
+        model=args.model,
+        gpu=args.gpu,
+        gpus=args.gpus,
+        context=args.context,
+        concurrency=args.concurrency,
+        runtime=args.runtime,
+        kv_dtype=args.kv_dtype,
+        weights_dtype=args.weights_dtype,
+        attn_implementation=args.attn_implementation,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        detect=args.detect or (args.model is not None and args.gpu is None),  # a model alone: this machine's GPU
+    )
+    result = diagnose(args.symptom, facts)
+    print(json.dumps(result.to_dict()) if args.json else result.table())
+    return 0
+
+
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError as exc:
+        raise SystemExit(f"contextkeeper: expected comma-separated integers, got {text!r}") from exc
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .diagnose import ProfileSettings, plot_profile, profile
+    from .diagnose.profile import stderr_progress
+
+    fields: dict[str, Any] = {}
+    for name in ("lengths", "new_tokens", "batches"):
+        value = _ints(getattr(args, name))
+        if value is not None:
+            fields[name] = value
+    if args.batch_tokens is not None:
+        fields["batch_tokens"] = args.batch_tokens
+    if args.generate_prompt is not None:
+        fields["generate_prompt"] = args.generate_prompt
+    report = profile(
+        args.model,
+        settings=ProfileSettings(**fields),
+        device=args.device,
+        dtype=args.dtype,
+        random_weights=args.random_weights,
+        attn_implementation=args.attn_implementation,
+        progress=None if (args.json or args.quiet) else stderr_progress(),
+    )
+    if args.plot:
+        plot_profile(report, args.plot)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "plot": args.plot}))
+    else:
+        print(report.table())
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
 def _memory_options(parser: argparse.ArgumentParser, *, gpu: bool) -> None:
     from .memory.dtypes import kv_dtype_names, weights_dtype_names
 
@@ -287,8 +352,49 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--kind", action="append", help="only consumer / workstation / datacenter / apple (repeatable)")
     rec.set_defaults(func=_recommend)
 
-    demo = sub.add_parser("demo", help="count a sample agent conversation offline, turn by turn")
-    demo.add_argument("--tokenizer", default="mistral:tekken", help="tokenizer spec (default: mistral:tekken)")
+    doctor = sub.add_parser("doctor", help="from a symptom to the memory pool that runs out, its causes and fixes")
+    doctor.add_argument(
+        "--symptom",
+        required=True,
+        help="load | long-prompt | generation | concurrent | grows-over-time | process-killed",
+    )
+    doctor.add_argument("--model", help="config.json file or folder, hub id, or catalog name (puts numbers on causes)")
+    doctor.add_argument("--gpu", help="GPU name or size; without it, --model uses this machine's GPU")
+    doctor.add_argument("--gpus", type=int, default=1, help="GPU count (default 1)")
+    doctor.add_argument("--context", type=int, help="tokens per sequence (default: the model's limit)")
+    doctor.add_argument("--concurrency", type=int, default=1, help="sequences held at once (default 1)")
+    doctor.add_argument("--runtime", help="transformers | vllm | sglang | llama.cpp (default: all; numbers: vllm)")
+    doctor.add_argument("--kv-dtype", default="auto", help="KV cache dtype (default auto)")
+    doctor.add_argument("--weights-dtype", default="auto", help="weights dtype (default auto)")
+    doctor.add_argument("--attn-implementation", help="transformers: sdpa, eager, flash_attention_2")
+    doctor.add_argument("--gpu-memory-utilization", type=float, help="vLLM share of GPU memory (default 0.9)")
+    doctor.add_argument("--detect", action="store_true", help="read this machine's GPU, RAM and container limit")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.set_defaults(func=_doctor)
+
+    prof = sub.add_parser("profile", help="measure the VRAM test sequence on a local transformers model")
+    prof.add_argument("--model", required=True, help="model folder, cached hub id, config.json, or catalog name")
+    prof.add_argument("--lengths", help="prompt lengths, comma-separated (default 128,256,512,1024,2048)")
+    prof.add_argument("--new-tokens", help="generation lengths, comma-separated (default 16,64,128)")
+    prof.add_argument("--batches", help="concurrency steps, comma-separated (default 1,2,4,8)")
+    prof.add_argument(
+        "--batch-tokens", type=int, help="prompt length of each sequence in a batch (default: first length)"
+    )
+    prof.add_argument("--generate-prompt", type=int, help="prompt length before generating (default: first length)")
+    prof.add_argument("--device", default="auto", help="cuda, cuda:1, cpu (default: cuda when available)")
+    prof.add_argument("--dtype", default="auto", help="auto (the config's), fp32, fp16, bf16")
+    prof.add_argument("--attn-implementation", help="sdpa (default), eager, flash_attention_2")
+    prof.add_argument("--random-weights", action="store_true", help="build random weights from the config")
+    prof.add_argument("--plot", help="write a PNG of the measurements")
+    prof.add_argument("--quiet", action="store_true", help="no progress bar")
+    prof.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
+    prof.set_defaults(func=_profile)
+
+    demo = sub.add_parser("demo", help="a wrapped chat fitted call by call, offline (--count: counting only)")
+    demo.add_argument("--count", action="store_true", help="count the sample conversation turn by turn instead")
+    demo.add_argument(
+        "--tokenizer", default="mistral:tekken", help="tokenizer spec for --count (default: mistral:tekken)"
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(func=_demo)
     return parser

@@ -8,20 +8,24 @@ invariants before it is returned.
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import copy
 import dataclasses
+import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from ._exceptions import ChatTemplateError, ConfigurationError, ContextKeeperError, MessageError
-from .messages import Conversation, Message, MessageLike, _restore_conversation
-from .messages import Unit as MessageUnit
+from .messages import Conversation, Message, MessageLike, _group_units, _restore_conversation
 from .policy import Policy, resolve_policy
+from .strategies._turn import compact_turn
 from .strategies.base import Action, FitState, Item, LLMCall, Unit, run_sync
 from .strategies.sliding_window import SlidingWindow
 from .tokens import TokenCounter, load_counter
+from .tokens._incremental import shared_prefix
 
 __all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge"]
 
@@ -95,19 +99,11 @@ def _chars(message: Any) -> int:
 def _assemble(units: Sequence[Unit]) -> Conversation:
     """A Conversation of already validated units, without validating them again (the counter takes it as is).
     Strategies keep each unit's shape (a rewritten tool result keeps its call id), and the fit is validated
-    once at the end by the invariant check."""
-    messages: list[Message] = []
-    groups: list[MessageUnit] = []
-    for unit in units:
-        if not unit:
-            continue
-        start = len(messages)
-        messages.extend(item.message for item in unit)
-        role = unit[0].role
-        kind = "assistant" if role == "assistant" else "user" if role == "user" else "system"
-        groups.append(MessageUnit(kind, start, len(messages), tuple(messages[start:])))  # type: ignore[arg-type]
-    formats = cast(tuple[Literal["message"], ...], ("message",) * len(messages))
-    return _restore_conversation(tuple(messages), formats, (None,) * len(messages), tuple(groups))
+    at the end by the invariant check; the units are grouped only if a counter asks for them."""
+    messages = tuple([item.message for unit in units for item in unit])
+    size = len(messages)
+    formats = cast(tuple[Literal["message"], ...], ("message",) * size)
+    return _restore_conversation(messages, formats, (None,) * size)
 
 
 def _text_counter(counter: Any) -> Any:
@@ -121,6 +117,10 @@ def _text_counter(counter: Any) -> Any:
         )
 
     return marginal
+
+
+async def _awaited(value: Awaitable[Any]) -> Any:
+    return await value
 
 
 class _LazyRoles:
@@ -141,6 +141,13 @@ class _Sticky:
     sys_end: int
     start: int
     rewrites: dict[int, tuple[Message, Message]]
+    # What the next fit can take as is when it reads from the same start: the validated messages it read (from
+    # ``horizon``), the system items, the fitted history (rewrites applied) and where its request began.
+    conversation: Conversation | None = None
+    horizon: int = -1
+    system: Unit = ()
+    history: tuple[Unit, ...] = ()
+    last_user: int = -1
 
 
 @dataclass
@@ -159,6 +166,12 @@ class ContextKeeper:
     ``model`` is given) and, with ``gpu``, the longest context per sequence that fits at ``concurrency``.
     ``policy``: a built-in name, a .toml file, a :class:`Policy`, or ``"auto"`` to match by model name.
     ``summarizer``: a callable taking an :class:`LLMCall` and returning text, for the summarize strategy.
+
+    Wrapped calls (:meth:`wrap`): ``transcript`` (None: in memory; a path: a SQLite file) keeps everything sent
+    and received; ``admission`` ("wait" or "shrink") and ``admission_timeout`` decide what a call does when
+    the calls in flight already hold the KV capacity, which is ``kv_capacity`` tokens when given (a server's
+    own figure, e.g. vLLM's "GPU KV cache size") or else planned from ``model`` and ``gpu`` at ``concurrency``;
+    ``monitor`` (a :class:`~contextkeeper.diagnose.MemoryMonitor`) is sampled after every call.
     """
 
     def __init__(
@@ -174,6 +187,11 @@ class ContextKeeper:
         runtime: str = "vllm",
         kv_dtype: str = "auto",
         summarizer: Any = None,
+        transcript: Any = None,
+        admission: Literal["wait", "shrink"] = "wait",
+        admission_timeout: float = 30.0,
+        kv_capacity: int | None = None,
+        monitor: Any = None,
     ) -> None:
         if tokenizer is None:
             raise ConfigurationError(
@@ -217,6 +235,8 @@ class ContextKeeper:
         self.pipeline = self.policy.pipeline()
         self.summarizer = summarizer
         self._text_tokens = _text_counter(self.counter)
+        self._text_tokens_many = getattr(self.counter, "text_tokens_many", None)
+        self._text_bound = getattr(self.counter, "text_tokens_bound", None)
         # Counts of the small fixed parts (system + request, the report's slots) go to a second counter, so the
         # main counter's incremental state follows the long prompt from fit to fit.
         fork = getattr(self.counter, "fork", None)
@@ -224,6 +244,17 @@ class ContextKeeper:
         self._session = _Session()
         self._previous: Conversation | None = None
         self.last_fit: Fit | None = None
+        # Wrapped calls (see wrap): what they share, made on first use.
+        self.gpu, self.concurrency, self.runtime, self.kv_dtype = gpu, concurrency, runtime, kv_dtype
+        self._call_settings = {
+            "transcript": transcript,
+            "admission": admission,
+            "timeout": admission_timeout,
+            "capacity": kv_capacity,
+        }
+        self.monitor = monitor
+        self.last_call: Any = None
+        self._calls: Any = None
 
     def fresh(self) -> ContextKeeper:
         """The same keeper (counter, limit, policy, summarizer) without memory of earlier fits: the next fit is
@@ -232,6 +263,8 @@ class ContextKeeper:
         clone._session = _Session()
         clone._previous = None
         clone.last_fit = None
+        clone.last_call = None
+        clone._calls = None
         return clone
 
     @staticmethod
@@ -264,7 +297,10 @@ class ContextKeeper:
                 index=None,
                 fix="pass a list such as [{'role': 'user', 'content': '...'}]",
             )
-        tool_list = list(tools) if tools else None
+        # The counter's own copy of the schemas when it makes one: compared with the caller's once per fit, not
+        # once per count.
+        freeze = getattr(self.counter, "freeze_tools", None)
+        tool_list = (freeze(tools) if callable(freeze) else list(tools)) if tools else None
         sys_end = 0
         while sys_end < len(messages) and _role(messages[sys_end]) in ("system", "developer"):
             sys_end += 1
@@ -273,7 +309,8 @@ class ContextKeeper:
         )
         roles = _LazyRoles(messages)
         # Read history back to the horizon; when strategies (pruning, summaries) leave room and older history was
-        # left unread, read twice as far and fit again. The keeper remembers how far it had to read.
+        # left unread, read further (in proportion to what the first read yielded) and fit again. The keeper
+        # remembers how far it had to read.
         memory = self._session.memory
         per_token = float(memory.get("horizon", self.policy.horizon))
         prompt_limit = self.limit - answer
@@ -282,7 +319,10 @@ class ContextKeeper:
             fit = self._fit_once(messages, roles, sys_end, last_user, answer, tool_list, per_token, started, sticky)
             if sticky is not None or not fit.report.unread or not per_token or fit.tokens >= 0.9 * prompt_limit:
                 break
-            per_token *= 2
+            # Read further back in proportion to what this read yielded after the strategies (older history is
+            # assumed to shrink alike), a little beyond the budget so the window has whole turns to choose from
+            # (between 1.25 and 4 times as far).
+            per_token *= min(4.0, max(1.25, 1.1 * prompt_limit / max(fit.tokens, 1)))
         if per_token:
             memory["horizon"] = per_token
         self._session.turn += 1
@@ -298,9 +338,83 @@ class ContextKeeper:
             return None
         if previous.start >= last_user:
             return None
-        if any(a is not b for a, b in zip(previous.inputs, messages, strict=False)):
+        if shared_prefix(previous.inputs, messages) != len(previous.inputs):
             return None  # the caller edited or replaced earlier messages: fit from scratch
         return previous
+
+    @staticmethod
+    def _units(
+        conversation: Conversation, sticky: _Sticky | None, sys_end: int, horizon: int, last_user: int
+    ) -> tuple[Unit, list[Unit], Unit]:
+        """System, history units and request of ``conversation`` (the caller's messages ``[:sys_end]`` and
+        ``[horizon:]``), with the previous fit's rewrites re-applied."""
+        origins = [*range(sys_end), *range(horizon, horizon + len(conversation) - sys_end)]
+        items = [Item(message, index) for message, index in zip(conversation.messages, origins, strict=True)]
+        system: Unit = tuple(items[:sys_end])
+        request: Unit = tuple(item for item in items[sys_end:] if item.origin is not None and item.origin >= last_user)
+        history: list[Unit] = []
+        for unit in conversation.units():
+            unit_items = tuple(items[i] for i in unit.indices)
+            if unit_items and unit_items[0].origin is not None and sys_end <= unit_items[0].origin < last_user:
+                history.append(unit_items)
+        if history and history[0][0].role != "user" and horizon > sys_end:
+            history = history[1:]  # the horizon always starts history on a user turn
+        if sticky is not None and sticky.rewrites:
+            rewrites = sticky.rewrites
+            history = [
+                tuple(
+                    Item(rewrites[id(i.message)][1], None, i.message)
+                    if id(i.message) in rewrites and rewrites[id(i.message)][0] is i.message
+                    else i
+                    for i in unit
+                )
+                for unit in history
+            ]
+        return system, history, request
+
+    @staticmethod
+    def _grown(
+        conversation: Conversation, sticky: _Sticky | None, sys_end: int, horizon: int, last_user: int
+    ) -> tuple[Unit, list[Unit], Unit] | None:
+        """What :meth:`_units` returns, built from the previous fit when the chat only grew since: its fitted
+        history (every rewrite already applied) plus the units that arrived, so a turn costs what it added.
+
+        Taken only when the previous fit read from the same start and its validated messages are the very
+        first ones of ``conversation``; then rebuilding would give equal items and units (the previous fit's
+        request, never rewritten, becomes history as it is). None: build from scratch."""
+        previous = sticky.conversation if sticky is not None else None
+        if sticky is None or previous is None or sticky.horizon != horizon or not sticky.history:
+            return None
+        if sum(map(len, sticky.history)) != sticky.last_user - horizon:
+            return None  # the previous history is not every message from its start to its request
+        messages = conversation.messages
+        if len(messages) < len(previous) or shared_prefix(messages, previous.messages) != len(previous):
+            return None
+        # Positions in ``conversation`` of the previous request's first message and this one's.
+        offset = sys_end - horizon
+        first_new = sticky.last_user + offset
+        first_request = last_user + offset
+        if not sys_end <= first_new <= first_request <= len(messages):
+            return None
+        units = conversation.units()
+        added: list[Unit] = []
+        request_items: list[Item] = []
+        for unit in reversed(units):
+            if unit.start < first_new:
+                if unit.stop > first_new:
+                    return None  # a unit across the old request's start: the shapes differ, build anew
+                break
+            unit_items = tuple(
+                Item(message, index - offset) for index, message in zip(unit.indices, unit.messages, strict=True)
+            )
+            if unit.start >= first_request:
+                request_items[:0] = unit_items
+            elif unit.stop > first_request:
+                return None
+            else:
+                added.append(unit_items)
+        added.reverse()
+        return sticky.system, [*sticky.history, *added], tuple(request_items)
 
     def _fit_once(
         self,
@@ -318,30 +432,14 @@ class ContextKeeper:
             horizon = sticky.start
         else:
             horizon = self._horizon(messages, roles, sys_end, last_user, answer, per_token)
-        kept_indices = list(range(sys_end)) + list(range(horizon, len(messages)))
-        selected = [messages[i] for i in kept_indices]
+        selected = [*messages[:sys_end], *messages[horizon:]]
         conversation = Conversation.from_messages(selected, previous=self._previous)
         self._previous = conversation
-        items = [Item(message, index) for message, index in zip(conversation.messages, kept_indices, strict=True)]
-        system: Unit = tuple(items[:sys_end])
-        request: Unit = tuple(item for item in items[sys_end:] if item.origin is not None and item.origin >= last_user)
-        history: list[Unit] = []
-        for unit in conversation.units():
-            unit_items = tuple(items[i] for i in unit.indices)
-            if unit_items and unit_items[0].origin is not None and sys_end <= unit_items[0].origin < last_user:
-                history.append(unit_items)
-        if history and history[0][0].role != "user" and horizon > sys_end:
-            history = history[1:]  # the horizon always starts history on a user turn
-        if sticky is not None and sticky.rewrites:
-            history = [
-                tuple(
-                    Item(sticky.rewrites[id(i.message)][1], None, i.message)
-                    if id(i.message) in sticky.rewrites and sticky.rewrites[id(i.message)][0] is i.message
-                    else i
-                    for i in unit
-                )
-                for unit in history
-            ]
+        built = self._grown(conversation, sticky, sys_end, horizon, last_user)
+        if built is not None:
+            system, history, request = built
+        else:
+            system, history, request = self._units(conversation, sticky, sys_end, horizon, last_user)
 
         counted: dict[tuple[int, ...], tuple[tuple[Unit, ...], int]] = {}
 
@@ -350,7 +448,7 @@ class ContextKeeper:
             # entry holds the units, so their ids cannot be reused by other tuples while it lives.
             key = tuple(map(id, units))
             entry = counted.get(key)
-            if entry is not None and all(a is b for a, b in zip(entry[0], units, strict=True)):
+            if entry is not None and shared_prefix(entry[0], units) == len(units):
                 return entry[1]
             tokens = int(self.counter.count(_assemble((system, *units, request)), tools=tool_list))
             counted[key] = (tuple(units), tokens)
@@ -358,13 +456,24 @@ class ContextKeeper:
 
         def peek(units: Sequence[Unit]) -> int | None:
             entry = counted.get(tuple(map(id, units)))
-            return entry[1] if entry is not None and all(a is b for a, b in zip(entry[0], units, strict=True)) else None
+            return entry[1] if entry is not None and shared_prefix(entry[0], units) == len(units) else None
 
         prompt_limit = self.limit - answer
         base = int(self._side.count(_assemble((system, request)), tools=tool_list))
-        counted[()] = ((), base)
+        compacted: tuple[Action, ...] = ()
         if base > prompt_limit:
-            raise self._too_large(base, answer, system, request, tool_list)
+            # An agent loop's current turn (one user message, many tool rounds) alone is over the budget: its
+            # older rounds give way before the fit is refused; the user's message and the last round stay.
+            turn = compact_turn(
+                request,
+                lambda r: int(self._side.count(_assemble((system, r)), tools=tool_list)) <= prompt_limit,
+            )
+            if turn is None:
+                raise self._too_large(base, answer, system, request, tool_list)
+            request, action = turn
+            base = int(self._side.count(_assemble((system, request)), tools=tool_list))
+            compacted = (action,)
+        counted[()] = ((), base)
         query = "\n".join(item.text() for item in request if item.role == "user")
         state = FitState(
             system=system,
@@ -374,8 +483,11 @@ class ContextKeeper:
             count=count,
             peek=peek,
             text_tokens=self._text_tokens,
+            text_tokens_many=self._text_tokens_many,
+            text_bound=self._text_bound,
             query=query,
             turn=self._session.turn,
+            actions=compacted,
             memory=self._session.memory,
         )
         initial = state.history
@@ -390,9 +502,12 @@ class ContextKeeper:
         # Exact when some step counted the history as it came in; None when none had to (it was clearly over the
         # budget, and tokenizing text about to be dropped would only cost time).
         before = peek(initial) if horizon <= sys_end else None
-        self._remember(messages, sys_end, state.history)
         self._check(final, tokens, prompt_limit, system, request, messages)
-        out = self._caller_format(final, conversation, kept_indices, messages)
+        # Only a fit that kept its guarantees is built on by the next one.
+        self._remember(
+            messages, sys_end, state.history, last_user, system=system, conversation=conversation, horizon=horizon
+        )
+        out = self._caller_format(final, conversation, sys_end, horizon, messages)
         slots = self._slots(system, request, tool_list, base, tokens, answer)
         history_after = tokens - base
         report = FitReport(
@@ -416,7 +531,17 @@ class ContextKeeper:
         )
         return Fit(messages=out, tokens=tokens, report=report)
 
-    def _remember(self, messages: Sequence[Any], sys_end: int, history: Sequence[Unit]) -> None:
+    def _remember(
+        self,
+        messages: Sequence[Any],
+        sys_end: int,
+        history: Sequence[Unit],
+        request: int,
+        *,
+        system: Unit = (),
+        conversation: Conversation | None = None,
+        horizon: int = -1,
+    ) -> None:
         """Keep what the next fit re-applies first: the window start and each rewrite by its source."""
         memory = self._session.memory
         anchors = [item.origin for item in history[0] if item.origin is not None] if history else []
@@ -427,8 +552,19 @@ class ContextKeeper:
         rewrites = {
             id(item.source): (item.source, item.message) for unit in history for item in unit if item.source is not None
         }
-        start = anchors[0] if anchors else len(messages)
-        memory["_sticky"] = _Sticky(inputs=tuple(messages), sys_end=sys_end, start=start, rewrites=rewrites)
+        # No history kept: the window starts at this fit's request, which the next turn keeps as history.
+        start = anchors[0] if anchors else request
+        memory["_sticky"] = _Sticky(
+            inputs=tuple(messages),
+            sys_end=sys_end,
+            start=start,
+            rewrites=rewrites,
+            conversation=conversation,
+            horizon=horizon,
+            system=system,
+            history=tuple(history),
+            last_user=request,
+        )
 
     def _backend(self) -> Any:
         if self.summarizer is None:
@@ -436,7 +572,15 @@ class ContextKeeper:
         summarizer = self.summarizer
 
         def call(request: LLMCall) -> str:
-            return str(summarizer(request))
+            reply = summarizer(request)
+            if inspect.isawaitable(reply):  # an async summarizer, reached from a wrapped async call's worker thread
+                from .backends.calls import CALLER_LOOP
+
+                loop = CALLER_LOOP.get()
+                if loop is None:
+                    return str(asyncio.run(_awaited(reply)))
+                return str(asyncio.run_coroutine_threadsafe(_awaited(reply), loop).result())
+            return str(reply)
 
         return call
 
@@ -484,29 +628,50 @@ class ContextKeeper:
             problems.append(f"{tokens} prompt tokens exceed the {prompt_limit} available")
         if any(item.origin != i for i, item in enumerate(system)):
             problems.append("the system prompt was changed")
-        if any(item.origin is None for item in request):
+        # The user's message and the round the model must answer stay verbatim; older rounds of the same turn may
+        # be compacted (each rewrite keeps its source) only when the turn alone was over the budget.
+        if request and (request[0].origin is None or request[-1].origin is None):
+            problems.append("the new request was changed")
+        if any(item.origin is None and item.source is None for item in request):
             problems.append("the new request was changed")
         origins = [item.origin for item in final if item.origin is not None]
         if origins != sorted(origins) or len(set(origins)) != len(origins):
             problems.append("messages were reordered or repeated")
         try:
-            Conversation.from_messages([item.message for item in final])
+            self._paired(tuple([item.message for item in final]))
         except MessageError as exc:
             problems.append(f"the fitted conversation is not valid: {exc}")
         if problems:
             raise InvariantViolation("fit invariant broken: " + "; ".join(problems))
 
-    @staticmethod
+    def _paired(self, messages: tuple[Message, ...]) -> None:
+        """Raise as ``Conversation.from_messages(messages)`` would when tool calls and results do not pair up.
+
+        The messages are validated Message objects, so the check is their grouping into units. Units of the
+        previous fit's prompt that lie in the prefix this one shares with it (the very same objects) are
+        grouped already; grouping resumes at the last of them, which may have grown."""
+        known = self._session.memory.get("_paired")
+        start, prefix = 0, ()
+        if known is not None:
+            old, units, starts = known
+            shared = shared_prefix(messages, old)
+            last = bisect.bisect_left(starts, shared) - 1  # the last unit that starts in the shared prefix
+            if shared and last >= 0:
+                start, prefix = starts[last], units[:last]
+        grouped = prefix + _group_units(messages, start)
+        self._session.memory["_paired"] = (messages, grouped, [unit.start for unit in grouped])
+
     def _caller_format(
-        final: list[Item], conversation: Conversation, kept: list[int], original: Sequence[Any]
+        self, final: list[Item], conversation: Conversation, sys_end: int, horizon: int, original: Sequence[Any]
     ) -> list[Any]:
-        position = {index: j for j, index in enumerate(kept)}
+        # ``conversation`` holds the caller's messages [:sys_end] and [horizon:], in that order.
+        shift = sys_end - horizon
         formats = conversation._formats
         out: list[Any] = []
         dicts = not formats or formats[0] == "dict"
         for item in final:
             if item.origin is not None:
-                fmt = formats[position[item.origin]]
+                fmt = formats[item.origin if item.origin < sys_end else item.origin + shift]
                 source = original[item.origin]
                 if fmt == "dict":
                     # An unchanged plain dict goes back as the caller's own object (equal to itself, and free);
@@ -517,8 +682,22 @@ class ContextKeeper:
                 else:
                     out.append(item.message)
             else:
-                out.append(item.message.to_dict() if dicts else item.message)
+                out.append(self._new_dict(item.message) if dicts else item.message)
         return out
+
+    def _new_dict(self, message: Message) -> dict[str, Any]:
+        """``message.to_dict()``: a new dict every time (the caller may change it), copied from a remembered one
+        when every value is an immutable scalar (a cleared tool result, a marker), which is cheaper."""
+        cache: dict[int, tuple[Message, dict[str, Any] | None]] = self._session.memory.setdefault("_dicts", {})
+        entry = cache.get(id(message))
+        if entry is None or entry[0] is not message:
+            data = message.to_dict()
+            flat = all(value is None or type(value) in (str, int, float, bool) for value in data.values())
+            if len(cache) > 20_000:
+                cache.clear()
+            cache[id(message)] = (message, dict(data) if flat else None)  # holds the message: its id stays unique
+            return data
+        return dict(entry[1]) if entry[1] is not None else message.to_dict()
 
     def _slots(
         self, system: Unit, request: Unit, tools: list[Any] | None, base: int, tokens: int, answer: int
@@ -529,9 +708,27 @@ class ContextKeeper:
         head = [i.message for i in system]
         asked = [i.message for i in request]
         fixed = [*head, *asked]
+        # The system prompt alone and with the tools: counted once while both stay the same objects (the entry
+        # holds them, so their ids are not reused); None when the template refuses them without a request.
+        known = self._session.memory.get("_head_slots")
+        if (
+            known is None
+            or known[1] is not tools
+            or len(known[0]) != len(head)
+            or shared_prefix(known[0], head) != len(head)
+        ):
+            try:
+                alone = int(count(head, add_generation_prompt=False)) if head else 0
+                with_tools = int(count(head, tools=tools, add_generation_prompt=False)) if tools else alone
+                parts: tuple[int, int] | None = (alone, with_tools)
+            except ChatTemplateError:
+                parts = None
+            known = (tuple(head), tools, parts)
+            self._session.memory["_head_slots"] = known
         try:
-            alone = int(count(head, add_generation_prompt=False)) if head else 0
-            with_tools = int(count(head, tools=tools, add_generation_prompt=False)) if tools else alone
+            if known[2] is None:
+                raise ChatTemplateError("the template refuses the system prompt without a request")
+            alone, with_tools = known[2]
             bare = int(count(fixed, tools=tools, add_generation_prompt=False))
             system_slot, tools_slot, request_slot, overhead = alone, with_tools - alone, bare - with_tools, base - bare
         except ChatTemplateError:
@@ -553,3 +750,70 @@ class ContextKeeper:
     def count(self, messages: Sequence[MessageLike], *, tools: Sequence[Any] | None = None) -> int:
         """The exact prompt tokens of ``messages`` as given (no fitting)."""
         return int(self.counter.count(messages, tools=list(tools) if tools else None))
+
+    # ------------------------------------------------------------------------------------ wrapped calls
+    def wrap(self, client: Any, **options: Any) -> Any:
+        """``client`` with its own call shape, every call fitted first: an ``openai.OpenAI`` / ``AsyncOpenAI``
+        (``client.chat.completions.create(...)``, streams included), a transformers model (with
+        ``tokenizer=...``) or text-generation pipeline, or a callable ``fn(messages, **kwargs)``, sync or async.
+        The client itself is never patched. Options: ``attempts`` (calls per request, default 4), ``backoff``
+        (seconds before the first transport retry), ``conversation`` (the transcript key)."""
+        from .backends import wrap
+
+        return wrap(self, client, **options)
+
+    def _make_calls(self) -> Any:
+        from .backends.calls import Calls
+        from .ledger import Ledger, capacity_from_plan
+        from .transcript import open_transcript
+
+        settings = self._call_settings
+        capacity = settings["capacity"]
+        if capacity is None and self.model is not None and self.gpu is not None:
+            capacity = capacity_from_plan(
+                self.model, self.gpu, concurrency=self.concurrency, runtime=self.runtime, kv_dtype=self.kv_dtype
+            )
+        calls = Calls(
+            keeper=self,
+            ledger=Ledger(capacity, mode=settings["admission"], timeout=settings["timeout"]),
+            transcript=open_transcript(settings["transcript"]),
+        )
+        self._calls = calls
+        return calls
+
+    @property
+    def transcript(self) -> Any:
+        """Everything wrapped calls sent and received, and what each fit dropped or rewrote."""
+        from .backends.calls import calls_of
+
+        return calls_of(self).transcript
+
+    @property
+    def ledger(self) -> Any:
+        """The active tokens of wrapped calls in flight (admission against the GPU's KV capacity)."""
+        from .backends.calls import calls_of
+
+        return calls_of(self).ledger
+
+    def kv_bytes(self, tokens: int) -> tuple[int | None, float | None]:
+        """The KV cache ``tokens`` take for one sequence on the keeper's runtime, and their share of the GPU's KV
+        capacity (None without a model, or without a GPU for the share)."""
+        if self.model is None:
+            return None, None
+        from .memory import kv_report
+
+        size = kv_report(self.model, tokens, runtime=self.runtime, kv_dtype=self.kv_dtype).bytes
+        ledger = self._calls.ledger if self._calls is not None else None
+        capacity = ledger.capacity if ledger is not None else None
+        return size, (tokens / capacity if capacity else None)
+
+    def close(self) -> None:
+        """Close the transcript (a SQLite file keeps everything recorded)."""
+        if self._calls is not None and self._calls.transcript is not None:
+            self._calls.transcript.close()
+
+    def __enter__(self) -> ContextKeeper:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

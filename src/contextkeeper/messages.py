@@ -451,6 +451,24 @@ class _ParseMemo:
 _MEMO = _ParseMemo()
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _copy(value: Any) -> Any:
+    """``copy.deepcopy`` for JSON-shaped data (dicts with string keys, lists, scalars), several times faster;
+    anything else goes to ``copy.deepcopy``."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is dict:
+        if all(type(key) is str for key in value):
+            return {key: _copy(item) for key, item in value.items()}
+        return copy.deepcopy(value)
+    if kind is list:
+        return [_copy(item) for item in value]
+    return copy.deepcopy(value)
+
+
 def _parse_message(item: object, index: int | None) -> tuple[Message, _InputFormat, object]:
     """The validated message, the input's format, and what a later call can compare the input with to know it
     is unchanged (a deep copy of a dict, the Message itself; None when there is nothing cheap to compare)."""
@@ -461,9 +479,9 @@ def _parse_message(item: object, index: int | None) -> tuple[Message, _InputForm
         known = _MEMO.get(item)
         if known is not None:
             return known[0], "dict", known[1]
-        snapshot = copy.deepcopy(item)
+        snapshot = _copy(item)
         try:
-            message = Message.model_validate(copy.deepcopy(snapshot))
+            message = Message.model_validate(_copy(snapshot))
         except ValidationError as exc:
             text, fix = _describe(exc)
             raise InvalidMessage(text, index=index, fix=fix) from None
@@ -670,7 +688,7 @@ class Conversation(Sequence[Message]):
     _messages: tuple[Message, ...]
     _formats: tuple[_InputFormat, ...]
     _sources: tuple[object, ...]
-    _units: tuple[Unit, ...]
+    _units: tuple[Unit, ...] | None  # None: not grouped yet (messages assembled from units already checked)
     _checks: tuple[object, ...] | None
 
     def __init__(
@@ -678,7 +696,7 @@ class Conversation(Sequence[Message]):
     ) -> None:
         """Same as :meth:`from_messages`."""
         if isinstance(messages, Conversation):
-            self._set(messages._messages, messages._formats, messages._sources, messages._units, messages._checks)
+            self._set(messages._messages, messages._formats, messages._sources, messages._grouped(), messages._checks)
             return
         if not isinstance(messages, (list, tuple)):
             raise MessageError(
@@ -697,9 +715,10 @@ class Conversation(Sequence[Message]):
             checks.append(check)
         if start and previous is not None and previous._checks is not None:
             # The previous last unit may grow (more tool results) or now need its results: group it again.
-            regroup_from = previous._units[-1].start
+            grouped = previous._grouped()
+            regroup_from = grouped[-1].start
             built = previous._messages + tuple(parsed)
-            units = previous._units[:-1] + _group_units(built, regroup_from)
+            units = grouped[:-1] + _group_units(built, regroup_from)
             all_formats = previous._formats + tuple(formats)
             complete = None if None in checks else previous._checks + tuple(checks)
         else:
@@ -714,7 +733,7 @@ class Conversation(Sequence[Message]):
         messages: tuple[Message, ...],
         formats: tuple[_InputFormat, ...],
         sources: tuple[object, ...],
-        units: tuple[Unit, ...],
+        units: tuple[Unit, ...] | None,
         checks: tuple[object, ...] | None = None,
     ) -> None:
         object.__setattr__(self, "_messages", messages)
@@ -739,7 +758,7 @@ class Conversation(Sequence[Message]):
         return self  # immutable, and the messages are deep copies of the caller's already
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore_conversation, (self._messages, self._formats, self._sources, self._units))
+        return (_restore_conversation, (self._messages, self._formats, self._sources, self._grouped()))
 
     @classmethod
     def from_messages(
@@ -781,7 +800,7 @@ class Conversation(Sequence[Message]):
         return self._messages == other._messages
 
     def __repr__(self) -> str:
-        return f"Conversation({len(self._messages)} messages, {len(self._units)} units)"
+        return f"Conversation({len(self._messages)} messages, {len(self._grouped())} units)"
 
     @property
     def messages(self) -> tuple[Message, ...]:
@@ -790,7 +809,14 @@ class Conversation(Sequence[Message]):
 
     def units(self) -> tuple[Unit, ...]:
         """The atomic units, in order; together they cover every message exactly once."""
-        return self._units
+        return self._grouped()
+
+    def _grouped(self) -> tuple[Unit, ...]:
+        units = self._units
+        if units is None:
+            units = _group_units(self._messages)
+            object.__setattr__(self, "_units", units)
+        return units
 
     def to_dicts(self) -> list[dict[str, Any]]:
         """Every message as a new plain dict, equal to what was given."""
@@ -841,8 +867,9 @@ def _restore_conversation(
     messages: tuple[Message, ...],
     formats: tuple[_InputFormat, ...],
     sources: tuple[object, ...],
-    units: tuple[Unit, ...],
+    units: tuple[Unit, ...] | None = None,
 ) -> Conversation:
+    """A Conversation of messages already checked together; ``units`` None groups them when first asked."""
     conversation = Conversation.__new__(Conversation)
     conversation._set(messages, formats, sources, units)
     return conversation

@@ -374,6 +374,60 @@ def _check_device(card: GPU, gpus: int, runtime: str) -> None:
         raise ConfigurationError(f"{card.name} shares memory with its host: plan one device (--gpus 1)")
 
 
+def _workload(
+    model: ModelSpec | Any,
+    gpu: GPU | str,
+    gpus: int,
+    runtime: str,
+    kv_dtype: str,
+    weights_dtype: str,
+    settings: PlanSettings | None,
+    runtime_settings: dict[str, Any],
+) -> _Workload:
+    """The workload every planning question is asked of: arguments resolved and checked once."""
+    spec = _resolve_model(model)
+    card = _resolve_gpu(gpu)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigurationError(f"gpus must be a positive integer, got {gpus!r}")
+    name = runtime_profile(runtime).name
+    _check_device(card, gpus, name)
+    options = settings or PlanSettings()
+    if options.max_num_batched_tokens and "max_num_batched_tokens" not in runtime_settings and name == "vllm":
+        runtime_settings["max_num_batched_tokens"] = options.max_num_batched_tokens
+    return _Workload(
+        model=spec,
+        gpu=card,
+        gpus=gpus,
+        runtime=name,
+        kv_dtype=kv_dtype,
+        weights_dtype=weights_dtype,
+        settings=options,
+        runtime_settings=runtime_settings,
+    )
+
+
+def kv_pool_tokens(
+    model: ModelSpec | Any,
+    gpu: GPU | str,
+    *,
+    concurrency: int = 1,
+    gpus: int = 1,
+    runtime: str = "vllm",
+    kv_dtype: str = "auto",
+    weights_dtype: str = "auto",
+    settings: PlanSettings | None = None,
+    **runtime_settings: Any,
+) -> int:
+    """The KV tokens ``gpus`` × ``gpu`` hold for ``model`` on ``runtime`` after weights, overhead and the
+    prefill peak: the most tokens ``concurrency`` equal sequences hold together (windows, states and block
+    rounding included). Unlike :attr:`Plan.max_context` it is not capped at the model's own maximum context: a
+    server's KV pool is shared by all calls, however long each may be. 0 when no KV cache fits at all."""
+    work = _workload(model, gpu, gpus, runtime, kv_dtype, weights_dtype, settings, runtime_settings)
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
+    return max(0, _largest(lambda n: work.fits(n, concurrency), 1, 1 << 26)) * concurrency
+
+
 def plan(
     model: ModelSpec | Any,
     gpu: GPU | str,
@@ -389,26 +443,11 @@ def plan(
     **runtime_settings: Any,
 ) -> Plan:
     """Plan ``concurrency`` sequences of ``context`` tokens of ``model`` on ``gpus`` × ``gpu`` with ``runtime``."""
-    spec = _resolve_model(model)
-    card = _resolve_gpu(gpu)
-    for what, value in (("context", context), ("concurrency", concurrency), ("gpus", gpus)):
+    work = _workload(model, gpu, gpus, runtime, kv_dtype, weights_dtype, settings, runtime_settings)
+    spec, card, name = work.model, work.gpu, work.runtime
+    for what, value in (("context", context), ("concurrency", concurrency)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"{what} must be a positive integer, got {value!r}")
-    name = runtime_profile(runtime).name
-    _check_device(card, gpus, name)
-    options = settings or PlanSettings()
-    if options.max_num_batched_tokens and "max_num_batched_tokens" not in runtime_settings and name == "vllm":
-        runtime_settings["max_num_batched_tokens"] = options.max_num_batched_tokens
-    work = _Workload(
-        model=spec,
-        gpu=card,
-        gpus=gpus,
-        runtime=name,
-        kv_dtype=kv_dtype,
-        weights_dtype=weights_dtype,
-        settings=options,
-        runtime_settings=runtime_settings,
-    )
     fits, breakdown, kv, costs = work.evaluate(context, concurrency)
     notes = list(costs.notes) + list(kv.notes)
     if spec.max_context and context > spec.max_context:

@@ -61,6 +61,18 @@ class Item:
 Unit = tuple[Item, ...]
 
 
+def _unit_chars(unit: Unit) -> int:
+    """Characters of a unit's text and tool-call arguments."""
+    total = 0
+    for item in unit:
+        message = item.message
+        total += sum(map(len, message.text_parts()))
+        for call in message.tool_calls or ():
+            arguments = call.function.arguments
+            total += len(arguments) if isinstance(arguments, str) else len(str(arguments))
+    return total
+
+
 @dataclass(frozen=True, kw_only=True)
 class Action:
     """What one strategy did in one fit."""
@@ -96,6 +108,10 @@ class FitState:
     limit: int
     count: Callable[[Sequence[Unit]], int] = field(repr=False, compare=False)
     text_tokens: Callable[[str], int] | None = field(default=None, repr=False, compare=False)
+    # ``text_tokens`` of many texts at once (a batch the tokenizer runs in parallel), when the counter has it.
+    text_tokens_many: Callable[[Sequence[str]], list[int]] | None = field(default=None, repr=False, compare=False)
+    # An upper bound on ``text_tokens`` found without tokenizing (None: not known for this text or tokenizer).
+    text_bound: Callable[[str], int | None] | None = field(default=None, repr=False, compare=False)
     peek: Callable[[Sequence[Unit]], int | None] | None = field(default=None, repr=False, compare=False)
     query: str = ""
     turn: int = 0
@@ -112,6 +128,20 @@ class FitState:
             raise ConfigurationError("this strategy needs the keeper's text counter (FitState.text_tokens)")
         return self.text_tokens(text)
 
+    def within(self, text: str, cap: int) -> bool:
+        """Exactly whether ``text`` has at most ``cap`` tokens; decided without tokenizing when an upper bound on
+        its tokens (see ``text_bound``) already says so."""
+        if self.text_bound is not None:
+            bound = self.text_bound(text)
+            if bound is not None and bound <= cap:
+                return True
+        return self.tokens_of(text) <= cap
+
+    def prefetch_tokens(self, texts: Sequence[str]) -> None:
+        """Warm :meth:`tokens_of` for ``texts`` in one batch (a no-op without a batch counter)."""
+        if self.text_tokens_many is not None and texts:
+            self.text_tokens_many(texts)
+
     def saving(self, history: Sequence[Unit]) -> int | None:
         """Exact tokens ``history`` saves against the current history, or None when the current history was never
         counted (counting it would mean tokenizing text that a strategy is about to drop)."""
@@ -123,16 +153,24 @@ class FitState:
         known = self.memory.get("_chars")
         if known is not None and known[0] is self.history:
             return int(known[1])
-        total = 0
-        for unit in (self.system, *self.history, self.request):
-            for item in unit:
-                message = item.message
-                total += sum(map(len, message.text_parts()))
-                for call in message.tool_calls or ():
-                    arguments = call.function.arguments
-                    total += len(arguments) if isinstance(arguments, str) else len(str(arguments))
+        # Per unit, by identity (units are immutable tuples, and a growing chat keeps its old ones): a fit costs
+        # the units it has not seen. The entry holds the unit, so its id is not reused while it is cached.
+        total = sum(self.unit_chars((self.system, *self.history, self.request)))
         self.memory["_chars"] = (self.history, total)
         return total
+
+    def unit_chars(self, units: Sequence[Unit]) -> list[int]:
+        """Characters of each unit's text and tool-call arguments (cheap; remembered per unit)."""
+        cache: dict[int, tuple[Unit, int]] = self.memory.setdefault("_unit_chars", {})
+        if len(cache) > 20_000:
+            cache.clear()
+        out = []
+        for unit in units:
+            entry = cache.get(id(unit))
+            if entry is None or entry[0] is not unit:
+                entry = cache[id(unit)] = (unit, _unit_chars(unit))
+            out.append(entry[1])
+        return out
 
     def over(self) -> int:
         """Tokens over the limit (negative: room left)."""
@@ -140,15 +178,25 @@ class FitState:
 
     def reuse(self, source: Message, key: Any, build: Callable[[], Message]) -> Item:
         """A rewritten message that is the very same object in every fit while its source and ``key`` are
-        unchanged, so the counter's caches (keyed by message identity) keep working across fits."""
+        unchanged, so the counter's caches (keyed by message identity) keep working across fits.
+
+        The item's ``source`` is the caller's message the rewrite descends from, also when ``source`` is itself
+        a rewrite (a result cut in one fit and cleared in a later one): the keeper re-applies rewrites by the
+        caller's message, so a chain of them is re-applied whole."""
         store: dict[tuple[int, Any], tuple[Message, Message]] = self.memory.setdefault("_rewrites", {})
+        roots: dict[int, tuple[Message, Message]] = self.memory.setdefault("_rewrite_roots", {})
+        known = roots.get(id(source))
+        root = known[1] if known is not None and known[0] is source else source
         entry = store.get((id(source), key))
         if entry is None or entry[0] is not source:
             if len(store) > 50_000:
                 store.clear()
+                roots.clear()
             entry = (source, build())  # the entry holds the source, so its id is not reused while cached
             store[(id(source), key)] = entry
-        return Item(entry[1], None, source)
+            if entry[1] is not source:
+                roots[id(entry[1])] = (entry[1], root)  # holds the rewrite: its id stays unique
+        return Item(entry[1], None, root)
 
     def with_history(self, history: Sequence[Unit], action: Action | None = None) -> FitState:
         actions = self.actions + ((action,) if action is not None else ())

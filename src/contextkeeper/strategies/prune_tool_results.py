@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 
 from ..messages import Message
@@ -76,7 +77,11 @@ class PruneToolResults:
                         key = ("prune-inputs", tuple(sorted(cleared_ids)))
                         unit_items[p] = state.reuse(item.message, key, functools.partial(Message.from_dict, data))
         memory.update(cleared_ids)
-        new: list[Unit] = [tuple(unit) for unit in units]
+        # Units left as they were stay the very same tuples (caches keyed by identity keep them).
+        new: list[Unit] = [
+            old if all(map(operator.is_, old, unit)) else tuple(unit)
+            for old, unit in zip(state.history, units, strict=True)
+        ]
         saved = state.saving(new)
         detail = f"cleared {len(chosen)} old tool result(s), kept the newest {self.keep_last}"
         return state.with_history(

@@ -12,6 +12,25 @@ def _anchor(unit: Unit) -> int | None:
     return next((item.origin for item in unit if item.origin is not None), None)
 
 
+def _estimate(state: FitState, history: tuple[Unit, ...], starts: list[int], target: int) -> int:
+    """The index in ``starts`` where the kept history would just fit ``target``, estimated from characters at the
+    rate the whole history was counted at (only a first guess: the search counts exactly from there)."""
+    base = state.peek(()) if state.peek is not None else None
+    sizes = state.unit_chars(history)
+    total_chars = sum(sizes)
+    if base is None or not total_chars:
+        return (len(starts) - 1) // 2
+    rate = (state.tokens() - base) / total_chars
+    suffix = total_chars
+    position = 0
+    for k, start in enumerate(starts[:-1]):
+        suffix -= sum(sizes[position:start])
+        position = start
+        if base + rate * suffix <= target:
+            return k
+    return len(starts) - 1
+
+
 @register("sliding_window")
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindow:
@@ -40,26 +59,30 @@ class SlidingWindow:
 
         memory = state.memory.setdefault("sliding_window", {})
         hint = memory.get("start")
-        low, high = 0, len(starts) - 1  # the answer lies in [low, high]; high always fits (empty history)
+        last = len(starts) - 1  # the answer lies in [0, last]; ``last`` always fits (empty history)
         if hint is not None:
             guess = next(
-                (k for k, s in enumerate(starts[:-1]) if (a := _anchor(history[s])) is not None and a >= hint),
-                len(starts) - 1,
+                (k for k, s in enumerate(starts[:-1]) if (a := _anchor(history[s])) is not None and a >= hint), last
             )
-            if fits(guess):
-                high = guess
-                if guess > 0 and not fits(guess - 1):
-                    low = guess
-                else:
-                    high = max(0, guess - 1)
-            else:  # gallop forward from the guess, then search the bracket
-                low = guess + 1
-                probe, step = low, 1
-                while probe < high and not fits(probe):
+        else:
+            guess = _estimate(state, history, starts, target)
+        # Gallop from the guess towards the answer, then bisect the bracket: a good guess costs two counts.
+        if fits(guess):
+            low, high, step = 0, guess, 1
+            while high > 0:
+                probe = max(0, high - step)
+                if not fits(probe):
                     low = probe + 1
-                    step *= 2
-                    probe = min(high, low + step - 1)
-                high = probe
+                    break
+                high, step = probe, step * 2
+        else:
+            low, high, step = guess + 1, last, 1
+            while low < high:
+                probe = min(high, low + step - 1)
+                if fits(probe):
+                    high = probe
+                    break
+                low, step = probe + 1, step * 2
         while low < high:
             middle = (low + high) // 2
             if fits(middle):

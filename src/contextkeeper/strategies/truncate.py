@@ -41,6 +41,18 @@ class Truncate:
     marker: str = "\n[… {cut} characters cut …]\n"
 
     def apply(self, state: FitState) -> FitState:
+        # Every text the cap is checked on, tokenized in one batch first (cached by text: a later fit pays only
+        # for new messages).
+        texts: list[str] = []
+        for unit in state.history:
+            for item in unit:
+                if item.role in self.roles:
+                    content = item.message.content
+                    if isinstance(content, str):
+                        texts.append(content)
+                    elif isinstance(content, list):
+                        texts.extend(t for part in content if part.type == "text" and (t := part.as_text()) is not None)
+        state.prefetch_tokens([text for text in texts if not self._short(state, text)])
         new: list[Unit] = []
         cut = 0
         for unit in state.history:
@@ -60,12 +72,19 @@ class Truncate:
         detail = f"cut {cut} message(s) to {self.max_tokens} tokens"
         return state.with_history(new, Action(strategy="truncate", detail=detail, saved=saved, units=cut))
 
+    def _short(self, state: FitState, text: str) -> bool:
+        """Under the cap by a bound alone (no tokenizing)."""
+        if state.text_bound is None:
+            return False
+        bound = state.text_bound(text)
+        return bound is not None and bound <= self.max_tokens
+
     def _cut(self, item: Item, state: FitState) -> Message:
         """The cut message, or the message itself when nothing is over the cap."""
         content = item.message.content
         data = item.message.to_dict()
         if isinstance(content, str):
-            if state.tokens_of(content) <= self.max_tokens:
+            if state.within(content, self.max_tokens):
                 return item.message
             data["content"] = cut_middle(content, self.max_tokens, state.tokens_of, self.marker)
             return Message.from_dict(data)
@@ -74,7 +93,7 @@ class Truncate:
             parts: list[Any] = []
             for part, raw in zip(content, data["content"], strict=True):
                 text = part.as_text()
-                if text is not None and part.type == "text" and state.tokens_of(text) > self.max_tokens:
+                if text is not None and part.type == "text" and not state.within(text, self.max_tokens):
                     raw = {**raw, "text": cut_middle(text, self.max_tokens, state.tokens_of, self.marker)}
                     changed = True
                 parts.append(raw)

@@ -12,15 +12,17 @@ The equivalence is checked against whole renders over all the templates the test
 
 from __future__ import annotations
 
+import copy
 import operator
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jinja2.meta
 from jinja2 import Template, nodes
 
-__all__ = ["IncrementalRenderer", "LoopState", "SplitTemplate", "shared_prefix", "split_template"]
+__all__ = ["Guard", "IncrementalRenderer", "LoopState", "SplitTemplate", "shared_prefix", "split_template"]
 
 # What the loop body may ask of ``loop``; the others (length, revindex, cycle, changed, previtem, nextitem) need
 # the whole list or the previous iteration.
@@ -41,6 +43,56 @@ class LoopState:
         self.last = index0 == length - 1
 
 
+# Jinja compiles these comparison operators to Python's own.
+_COMPARE: dict[str, Callable[[Any, Any], Any]] = {
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "gt": operator.gt,
+    "gteq": operator.ge,
+    "lt": operator.lt,
+    "lteq": operator.le,
+}
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A comparison of the loop position with a value fixed for the whole loop, taken out of the body.
+
+    ``{% if loop.index0 > ns.last_query_index %}`` (Qwen3 strips the reasoning of turns before the last user
+    query) makes every body depend on its position and on a value the head computes from the whole list. With
+    the comparison replaced by a variable holding its result, a body's output depends on that one boolean
+    instead: its output can be reused when the list shifts (oldest turns dropped) or the value moves (a new
+    user turn), except where the boolean itself changed.
+    """
+
+    name: str  # the variable that replaces the comparison in the body
+    attribute: str  # "index0" or "index"
+    op: str  # a Jinja comparison operator name (eq, ne, gt, gteq, lt, lteq)
+    loop_first: bool  # whether the loop position is the left operand
+    value: str | None  # the name compared with (None: ``constant``)
+    value_attribute: str | None = None  # ``value.attribute``
+    constant: Any = None
+
+    def evaluate(self, env: Any, scope: dict[str, Any], count: int) -> list[Any]:
+        """The comparison's result for each position 0..count-1, as the template would compute it."""
+        if self.value is None:
+            other = self.constant
+        else:
+            if self.value in scope:
+                other = scope[self.value]
+            elif self.value in env.globals:
+                other = env.globals[self.value]
+            else:
+                other = env.undefined(name=self.value)
+            if self.value_attribute is not None:
+                other = env.getattr(other, self.value_attribute)
+        compare = _COMPARE[self.op]
+        shift = 1 if self.attribute == "index" else 0
+        if self.loop_first:
+            return [compare(i + shift, other) for i in range(count)]
+        return [compare(other, i + shift) for i in range(count)]
+
+
 @dataclass(frozen=True)
 class SplitTemplate:
     """A template cut into the part before its message loop, the loop body, and the part after it."""
@@ -55,6 +107,77 @@ class SplitTemplate:
     # a body's output depends only on its window and on being first or last, so it can be reused when the
     # window shifts (a conversation whose oldest messages were dropped).
     positional: bool = True
+    # Comparisons of the position with loop-wide values, replaced in ``body`` by variables (see Guard).
+    guards: tuple[Guard, ...] = ()
+    # The names the body reads from the render's context (None: it may read any, e.g. through a macro).
+    reads: frozenset[str] | None = None
+    whole: Template | None = None  # the template itself, for a render the guards cannot decide
+
+
+def _loop_position(node: nodes.Node) -> str | None:
+    """``index0`` or ``index`` when ``node`` is ``loop.index0`` or ``loop.index``."""
+    if (
+        isinstance(node, nodes.Getattr)
+        and node.attr in ("index0", "index")
+        and isinstance(node.node, nodes.Name)
+        and node.node.name == "loop"
+    ):
+        return str(node.attr)
+    return None
+
+
+def _as_guard(node: nodes.Compare, stored: frozenset[str], number: int) -> Guard | None:
+    """The guard for ``loop.index0 <op> name[.attr]`` (either way round, or against a number), else None."""
+    if len(node.ops) != 1 or node.ops[0].op not in _COMPARE:
+        return None
+    left, right, op = node.expr, node.ops[0].expr, node.ops[0].op
+    for position, other, loop_first in ((left, right, True), (right, left, False)):
+        attribute = _loop_position(position)
+        if attribute is None:
+            continue
+        name = f"__contextkeeper_guard{number}"
+        if isinstance(other, nodes.Const) and type(other.value) is int:
+            return Guard(name, attribute, op, loop_first, None, constant=other.value)
+        if isinstance(other, nodes.Name) and other.name not in stored and other.name != "loop":
+            return Guard(name, attribute, op, loop_first, other.name)
+        if (
+            isinstance(other, nodes.Getattr)
+            and isinstance(other.node, nodes.Name)
+            and other.node.name not in stored
+            and other.node.name != "loop"
+        ):
+            return Guard(name, attribute, op, loop_first, other.node.name, other.attr)
+    return None
+
+
+def _take_guards(body: nodes.Template, env: Any, target: str) -> tuple[nodes.Template, tuple[Guard, ...]]:
+    """A copy of ``body`` with each guard comparison (outside nested loops) replaced by its variable."""
+    body = copy.deepcopy(body, {id(env): env})  # the nodes point at the environment: share it, do not copy it
+    # A name the body assigns may change from one message to the next: comparisons with it stay.
+    # The loop variable and ``loop`` are per message too.
+    stored = frozenset(n.name for n in body.find_all(nodes.Name) if n.ctx in ("store", "param")) | {target, "loop"}
+    guards: list[Guard] = []
+
+    def visit(node: nodes.Node) -> None:
+        for field, value in node.iter_fields():
+            if isinstance(value, list):
+                setattr(node, field, [swap(child) if isinstance(child, nodes.Node) else child for child in value])
+            elif isinstance(value, nodes.Node):
+                setattr(node, field, swap(value))
+
+    def swap(child: nodes.Node) -> nodes.Node:
+        if isinstance(child, nodes.Compare):
+            guard = _as_guard(child, stored, len(guards))
+            if guard is not None:
+                guards.append(guard)
+                return nodes.Name(guard.name, "load", lineno=child.lineno)
+        if not isinstance(child, nodes.For):  # inside a nested loop, ``loop`` is that loop's
+            visit(child)
+        return child
+
+    visit(body)
+    body.set_environment(env)
+    return body, tuple(guards)
 
 
 def _walk(root: nodes.Node) -> Iterator[nodes.Node]:
@@ -183,10 +306,14 @@ def split_template(template: Template, source: str) -> SplitTemplate | None:
         loop.recursive,
         lineno=loop.lineno,
     )
+    guarded, guards = _take_guards(body_root, env, loop.target.name)
+    reads: frozenset[str] | None = None
+    if not macros:
+        reads = frozenset(jinja2.meta.find_undeclared_variables(guarded))
     try:
         marked = env.from_string(nodes.Template([*head_nodes, marked_loop, *tail_nodes], lineno=1))
         head = env.from_string(head_root)
-        body = env.from_string(body_root)
+        body = env.from_string(guarded)
         tail = env.from_string(tail_root)
     except Exception:
         return None
@@ -197,7 +324,10 @@ def split_template(template: Template, source: str) -> SplitTemplate | None:
         tail=tail,
         target=loop.target.name,
         reach=reach,
-        positional=_reads_position(body_root, parents),
+        positional=_reads_position(guarded, _parents(guarded)),
+        guards=guards,
+        reads=reads,
+        whole=template,
     )
 
 
@@ -278,7 +408,7 @@ class IncrementalRenderer:
         # between, say, counting with and without tools keeps both.
         self._memos: dict[Any, dict[tuple[int, bool], tuple[tuple[Any, ...], str]]] = {}
         # Per generation: the last call's messages, body outputs and serial number.
-        self._previous: dict[Any, tuple[list[Any], list[str], int]] = {}
+        self._previous: dict[Any, tuple[list[Any], list[str], int, list[tuple[Any, ...]], str]] = {}
         self._serial = 0
         # After each render: (serial of this render, serial of the render it reused from or -1, length of the
         # text prefix guaranteed equal to that render's text).
@@ -323,11 +453,36 @@ class IncrementalRenderer:
         exported = {k: v for k, v in vars(module).items() if not k.startswith("_")}
         scope = {**context, **exported}
         messages = scope["messages"]
-        # Anything the body can read besides its window: the head's output and variables, and the call's context.
-        # Macros are left out: they are code from the template itself, recreated (new objects) on every render.
+        count = len(messages)
+        guards = split.guards
+        # Each position's guard results (see Guard): part of the key of every body output.
+        marks: list[tuple[Any, ...]]
+        if guards:
+            try:
+                env = split.body.environment
+                columns = [guard.evaluate(env, scope, count) for guard in guards]
+            except Exception:  # the template decides (it may never reach the comparison, or fail clearly)
+                columns = []
+            if len(columns) != len(guards) or any(type(v) is not bool for column in columns for v in column):
+                assert split.whole is not None
+                self._next_serial(-1, 0)
+                return split.whole.render(context)
+            marks = list(zip(*columns, strict=True))
+        else:
+            marks = [()] * count
+        # Anything the body can read besides its window: the head's variables and the call's context (only the
+        # names the body reads, when known; else the head's output too). Macros are left out: they are code from
+        # the template itself, recreated (new objects) on every render.
+        reads = split.reads
         generation = (
-            head_text,
-            repr(sorted((k, repr(v)) for k, v in scope.items() if k != "messages" and not callable(v))),
+            head_text if reads is None else "",
+            repr(
+                sorted(
+                    (k, repr(v))
+                    for k, v in scope.items()
+                    if k != "messages" and (reads is None or k in reads) and not callable(v)
+                )
+            ),
         )
         memo = self._memos.pop(generation, None)
         if memo is None or len(memo) > self._limit:
@@ -335,17 +490,18 @@ class IncrementalRenderer:
         self._memos[generation] = memo
         self._keep_newest(self._memos)
         reach = split.reach
-        count = len(messages)
         body = split.body
         # Whole-prefix reuse first: outputs of the previous call under this generation whose window lies inside
-        # the prefix of identical message objects the two lists share, and whose "last" flag is unchanged.
+        # the prefix of identical message objects the two lists share, and whose "last" flag and guard results
+        # are unchanged.
         previous = self._previous.get(generation)
         texts: list[str] = []
         based_on = -1
         reuse_from, reuse_to = 0, 0
         last_texts: list[str] = []
+        last_head = ""
         if previous is not None:
-            last_messages, last_texts, based_on = previous
+            last_messages, last_texts, based_on, last_marks, last_head = previous
             shared = shared_prefix(messages, last_messages)
             # Bodies before ``reach`` may read messages[-1]... (Python indexing wraps), the list's changing end,
             # so they go through the per-message path below; the rest of the shared prefix is taken whole.
@@ -354,12 +510,20 @@ class IncrementalRenderer:
             for flag_index in (old_last, count - 1):  # the only places where loop.last can differ
                 if reuse_from <= flag_index < reuse_to and (flag_index == old_last) != (flag_index == count - 1):
                     reuse_to = flag_index
+            if guards and last_marks[reuse_from:reuse_to] != marks[reuse_from:reuse_to]:
+                reuse_to = next(i for i in range(reuse_from, reuse_to) if last_marks[i] != marks[i])
         positional = split.positional
 
         def key_of(index: int, window: tuple[Any, ...]) -> Any:
             if positional:
-                return (index, index == count - 1)
-            return (index == 0, index == count - 1, *map(id, window))
+                return (index, index == count - 1, marks[index])
+            return (index == 0, index == count - 1, marks[index], *map(id, window))
+
+        def scope_of(index: int) -> dict[str, Any]:
+            local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
+            for guard, value in zip(guards, marks[index], strict=True):
+                local[guard.name] = value
+            return local
 
         # Look every body up first: only when many are new is one whole (marked) render cheaper.
         found: dict[int, str] = {}
@@ -383,7 +547,7 @@ class IncrementalRenderer:
                 for index, text in enumerate(bodies):
                     window = _window(messages, index, reach)
                     memo[key_of(index, window)] = (window, text)
-                self._previous[generation] = (list(messages), bodies, self._next_serial(-1, 0))
+                self._previous[generation] = (list(messages), bodies, self._next_serial(-1, 0), marks, head_text)
                 self._keep_newest(self._previous)
                 return "".join([head_text, *bodies, tail_text])
         index = 0
@@ -399,13 +563,13 @@ class IncrementalRenderer:
                 self.reused += 1
             else:
                 window = _window(messages, index, reach)
-                text = body.render({**scope, split.target: messages[index], "loop": LoopState(index, count)})
+                text = body.render(scope_of(index))
                 memo[key_of(index, window)] = (window, text)
                 texts.append(text)
             index += 1
         # How far this render's text provably equals the previous one's: identical body outputs in order.
         reused_prefix = 0
-        if previous is not None:
+        if previous is not None and last_head == head_text:
             limit = min(len(texts), len(last_texts), reuse_from)
             while reused_prefix < limit and texts[reused_prefix] == last_texts[reused_prefix]:
                 reused_prefix += 1
@@ -415,6 +579,8 @@ class IncrementalRenderer:
         text = "".join([head_text, *texts, tail_text])  # one copy of the (long) prompt
         # Measured from the end: only the few bodies after the reused prefix need their lengths summed.
         stable = len(text) - len(tail_text) - sum(map(len, texts[reused_prefix:]))
-        self._previous[generation] = (list(messages), texts, self._next_serial(based_on, stable))
+        if previous is None or last_head != head_text:
+            stable = 0  # another head (say, the first user turn moved into it): no prefix is known to be shared
+        self._previous[generation] = (list(messages), texts, self._next_serial(based_on, stable), marks, head_text)
         self._keep_newest(self._previous)
         return text

@@ -15,6 +15,8 @@ whole text instead — slower, never wrong.
 from __future__ import annotations
 
 import bisect
+import copy
+import json
 import re
 from typing import Any
 
@@ -153,6 +155,36 @@ class _Generational:
         self._old.clear()
 
 
+# Pre-tokenizers that only cut the text (they add and change no characters; ByteLevel maps each byte to one
+# symbol, and is accepted only without its prefix space).
+_CUTTING = frozenset({"Split", "ByteLevel", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"})
+
+
+def _byte_bound(backend: Any) -> str | None:
+    """When a text provably has at most as many tokens as UTF-8 bytes: ``"any"`` text, ``"ascii"`` text only,
+    or None (unknown). True for byte-level BPE: every symbol is one byte, a merge only joins symbols, and an
+    added token is one token for at least one character; a normaliser must then not lengthen the text (none
+    does not; NFC leaves ASCII text as it is)."""
+    try:  # the parts' own settings (serialising the whole tokenizer, vocabulary included, takes 0.2 s)
+        model = backend.model
+        if type(model).__name__ != "BPE" or getattr(model, "dropout", None):
+            return None
+        pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer is not None else {}
+        normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
+    except Exception:  # not a tokenizers.Tokenizer we can read: no bound
+        return None
+    steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+    if not any(step.get("type") == "ByteLevel" for step in steps):
+        return None
+    if any(step.get("type") not in _CUTTING or step.get("add_prefix_space") for step in steps):
+        return None
+    if normalizer is None:
+        return "any"
+    if normalizer.get("type") == "NFC":
+        return "ascii"
+    return None
+
+
 class PieceCounter:
     """Counts ``len(tokenizer.encode(text, add_special_tokens=False))`` piece by piece, with a cache."""
 
@@ -176,6 +208,7 @@ class PieceCounter:
             if anchor is None and plain and len(backend.encode(content, add_special_tokens=False).ids) == 1:
                 anchor = content
         self._split = _Splitter(patterns).split if patterns else None
+        self._bound = _byte_bound(backend)
         self._anchor = anchor
         self._after = _Generational(cache_entries)
         self._first = _Generational(1024)
@@ -259,6 +292,26 @@ class PieceCounter:
             self._alone.put(text, cached)
         return int(cached)
 
+    def bound(self, text: str) -> int | None:
+        """An upper bound on :meth:`alone` without tokenizing (UTF-8 bytes, see ``_byte_bound``), or None."""
+        rule = self._bound
+        if rule is None or (rule == "ascii" and not text.isascii()):
+            return None
+        return len(text.encode("utf-8"))
+
+    def alone_many(self, texts: list[str]) -> list[int]:
+        """:meth:`alone` of each text; the ones not cached are encoded in one batch (in parallel)."""
+        cache = self._alone
+        missing = list(dict.fromkeys(t for t in texts if cache.get(t) is None))
+        if getattr(self._backend, "padding", None) is not None:  # a batch would be padded: one at a time
+            return [self.alone(t) for t in texts]
+        if missing:
+            self.encoded_chars += sum(map(len, missing))
+            encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            for text, encoding in zip(missing, encode(missing, add_special_tokens=False), strict=True):
+                cache.put(text, len(encoding.ids))
+        return [self.alone(t) for t in texts]
+
     def _resume_point(self, text: str, known: int | None = None) -> tuple[int, int, int]:
         """Where counting ``text`` may start: the last checkpoint of the previous text that lies wholly inside
         the prefix both texts share — ``(offset, tokens before it, checkpoints kept)``, or zeros."""
@@ -285,6 +338,14 @@ class PieceCounter:
         for piece, n in lengths.items():
             self._after.put(piece, n)
         return lengths
+
+    def fork(self) -> PieceCounter:
+        """A counter sharing this one's piece caches (counts depend only on the piece text) with resume state of
+        its own. The caches are plain dicts: a lost entry between threads costs a re-encode, never a wrong count."""
+        clone = copy.copy(self)
+        clone.encoded_chars = 0
+        clone._last, clone._last_id, clone._bounds, clone._totals = "", None, [], []
+        return clone
 
     # -- self-check ------------------------------------------------------------------------------------------
     def verify(self) -> bool:

@@ -16,8 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from jinja2 import Template
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
+
+from ._incremental import LoopState
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 
@@ -33,9 +36,12 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
                 return obj[attribute]
             except KeyError:
                 return self.undefined(obj=obj, name=attribute)
-        # str methods (content.strip()) and namespace fields (ns.last_query_index) are what the sandbox's checks
-        # would allow anyway for public names: neither is a known-mutable type nor an internal object.
-        if not attribute.startswith("_") and (type(obj) is str or isinstance(obj, Namespace)):
+        # str methods (content.strip()), namespace fields (ns.last_query_index) and loop fields (loop.index0) are
+        # what the sandbox's checks would allow anyway for public names: none is a known-mutable type or an
+        # internal object.
+        if not attribute.startswith("_") and (
+            type(obj) is str or isinstance(obj, (Namespace, LoopContext)) or type(obj) is LoopState
+        ):
             try:
                 return getattr(obj, attribute)
             except AttributeError:
@@ -98,7 +104,7 @@ def _containers(value: Any) -> list[Any]:
         if type(item) is dict:
             found.append(item)
             stack.extend(item.values())
-        elif type(item) is list:
+        elif isinstance(item, list):  # plain lists, and a counter's own list of tool schemas
             found.append(item)
             stack.extend(item)
     return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -14,7 +15,7 @@ import jinja2.nodes
 
 from .._exceptions import ChatTemplateError
 from ..messages import ContentPart, Conversation, Message, server_view_message
-from ._incremental import IncrementalRenderer, shared_prefix, split_template
+from ._incremental import IncrementalRenderer, SplitTemplate, shared_prefix, split_template
 from ._pieces import PieceCounter
 from ._sandbox import FROZEN_JSON, compile_template, same_values
 from .base import Measurement, MessagesLike, ToolsLike
@@ -61,6 +62,13 @@ def _template_variables(source: str) -> frozenset[str]:
     return frozenset(jinja2.meta.find_undeclared_variables(ast))
 
 
+@functools.lru_cache(maxsize=64)
+def _split(source: str) -> SplitTemplate | None:
+    """The template cut at its message loop (see ``split_template``), compiled once per source and process, like
+    the template itself: counters of the same template (a keeper's main and side counters) share it."""
+    return split_template(compile_template(source), source)
+
+
 def _parse(source: str) -> jinja2.nodes.Template:
     # The sandbox environment knows transformers' extra tags ({% generation %}), so parse with it.
     return compile_template(source).environment.parse(source)
@@ -73,6 +81,10 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
     if reasoning is not None:
         clean = {"thinking": reasoning, **clean, "reasoning_content": reasoning}
     return clean
+
+
+class _FrozenTools(list):  # type: ignore[type-arg]
+    """A counter's deep copy of tool schemas; nothing ever changes it."""
 
 
 class HFChatTemplateCounter:
@@ -129,6 +141,9 @@ class HFChatTemplateCounter:
         self._tools: list[dict[str, Any]] | None = None
         self.incremental = incremental
         self._renderers: dict[str, IncrementalRenderer | None] = {}
+        if incremental:
+            for template_source in sources:
+                _split(template_source)  # compiled now, once per process, rather than on the first count
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._pieces = PieceCounter(backend) if backend is not None else None
         if self._pieces is not None:
@@ -179,17 +194,24 @@ class HFChatTemplateCounter:
         )
 
     # -- pieces ----------------------------------------------------------------------------------------------
+    def freeze_tools(self, tools: ToolsLike) -> list[dict[str, Any]] | None:
+        """The counter's own copy of ``tools``, which every counter of this class takes as is: a caller that
+        counts the same tools many times (the keeper, in one fit) compares them with the previous call's once."""
+        return self._tool_list(tools)
+
     def _tool_list(self, tools: ToolsLike) -> list[dict[str, Any]] | None:
         """Our own deep copy of the tool schemas: the same objects while the caller's tools stay the same, so the
         template's ``tojson`` of them is computed once (see ``FrozenJSON``)."""
         if not tools:
             return None
+        if type(tools) is _FrozenTools:
+            return tools  # made by a counter from a deep copy, and never handed to the caller
         given = [dict(t) for t in tools]
         with self._lock:
             last = self._tools
-            if last is not None and same_values(given, last):
+            if last is not None and len(given) == len(last) and all(map(same_values, given, last)):
                 return last
-            mine = copy.deepcopy(given)
+            mine = _FrozenTools(copy.deepcopy(given))
             FROZEN_JSON.register(mine)
             if last is not None:
                 FROZEN_JSON.unregister(last)
@@ -272,7 +294,7 @@ class HFChatTemplateCounter:
             "add_generation_prompt": add_generation_prompt,
         }
         if source not in self._renderers:
-            split = split_template(template, source) if self.incremental else None
+            split = _split(source) if self.incremental else None
             self._renderers[source] = IncrementalRenderer(split) if split is not None else None
         renderer = self._renderers[source]
         try:
@@ -311,9 +333,10 @@ class HFChatTemplateCounter:
             return self._pieces.count(text, lineage=lineage)
 
     def fork(self) -> HFChatTemplateCounter:
-        """A counter with the same tokenizer and settings and caches of its own, for counts that should not
-        disturb this one's incremental state (small side counts between counts of one long, growing prompt)."""
-        return HFChatTemplateCounter(
+        """A counter with the same tokenizer and settings and incremental state of its own, for counts that should
+        not disturb this one's (small side counts between counts of one long, growing prompt). The two share
+        their cache of token counts by piece text, so text either one counted is not tokenized again."""
+        clone = HFChatTemplateCounter(
             self.tokenizer,
             chat_template=self._templates if isinstance(self._templates, str) else None,
             template_kwargs=self.template_kwargs,
@@ -323,6 +346,9 @@ class HFChatTemplateCounter:
             name=self.name,
             incremental=self.incremental,
         )
+        if self._pieces is not None and clone._pieces is not None and self._pieces.fast and clone._pieces.fast:
+            clone._pieces = self._pieces.fork()
+        return clone
 
     def text_tokens(self, text: str) -> int:
         """Tokens of a snippet on its own (no template, no special tokens), cached by text."""
@@ -330,6 +356,17 @@ class HFChatTemplateCounter:
             return len(self.tokenizer.encode(text, add_special_tokens=False))
         with self._lock:
             return self._pieces.alone(text)
+
+    def text_tokens_bound(self, text: str) -> int | None:
+        """An upper bound on :meth:`text_tokens` found without tokenizing, or None when none is known."""
+        return self._pieces.bound(text) if self._pieces is not None else None
+
+    def text_tokens_many(self, texts: Sequence[str]) -> list[int]:
+        """:meth:`text_tokens` of each text, the uncached ones tokenized in one batch."""
+        if self._pieces is None:
+            return [self.text_tokens(text) for text in texts]
+        with self._lock:
+            return self._pieces.alone_many(list(texts))
 
     @property
     def encoded_chars(self) -> int:

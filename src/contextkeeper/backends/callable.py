@@ -1,0 +1,93 @@
+"""Plain callables: ``fn(messages, **kwargs)``, sync or async, returning text, a message dict or an
+OpenAI-shaped response.
+
+``keeper.wrap(fn)`` returns a callable with the same shape: ``wrapped(messages, **kwargs)`` (awaitable when
+``fn`` is async) calls ``fn`` with the fitted messages and the caller's other arguments unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from .base import Reply, Request, register_wrapper
+from .calls import Call, Options, call_async, call_sync, calls_of
+
+if TYPE_CHECKING:
+    from ..keeper import ContextKeeper
+
+__all__ = ["CallableBackend", "reply_from"]
+
+
+def reply_from(result: Any) -> Reply:
+    """A :class:`Reply` from what a callable returned: text, a message dict, or an OpenAI-shaped response."""
+    if isinstance(result, str):
+        return Reply(result=result, message={"role": "assistant", "content": result})
+    if isinstance(result, dict) and "role" in result:
+        return Reply(result=result, message=dict(result))
+    choices = result.get("choices") if isinstance(result, dict) else getattr(result, "choices", None)
+    usage = result.get("usage") if isinstance(result, dict) else getattr(result, "usage", None)
+    message = None
+    if choices:
+        first = choices[0]
+        raw = first.get("message") if isinstance(first, dict) else getattr(first, "message", None)
+        dump = getattr(raw, "model_dump", None)
+        message = dict(dump(exclude_none=True)) if callable(dump) else dict(raw) if raw is not None else None
+
+    def field(name: str) -> int | None:
+        value = usage.get(name) if isinstance(usage, dict) else getattr(usage, name, None)
+        return int(value) if value is not None else None
+
+    return Reply(
+        result=result,
+        message=message,
+        prompt_tokens=field("prompt_tokens"),
+        completion_tokens=field("completion_tokens"),
+    )
+
+
+class CallableBackend:
+    """Calls ``fn(fitted_messages, **kwargs)``."""
+
+    def __init__(self, fn: Callable[..., Any], server: str | None = None) -> None:
+        self.fn = fn
+        self.server = server or getattr(fn, "__qualname__", None) or type(fn).__name__
+
+    def complete(self, request: Request) -> Reply | Awaitable[Reply]:
+        params = {k: v for k, v in request.params.items() if k != "messages"}
+        result = self.fn(request.messages, **params)
+        if inspect.isawaitable(result):
+            return self._later(result)
+        return reply_from(result)
+
+    @staticmethod
+    async def _later(result: Awaitable[Any]) -> Reply:
+        return reply_from(await result)
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def wrap_callable(keeper: ContextKeeper, fn: Callable[..., Any], *, server: str | None = None, **options: Any) -> Any:
+    """``fn`` with its own shape, fitted first; awaitable when ``fn`` is async."""
+    backend = CallableBackend(fn, server)
+    settings = Options(**options)
+    calls = calls_of(keeper)
+
+    def wrapped(messages: Any, **kwargs: Any) -> Any:
+        return call_sync(Call(calls, backend, settings, messages, kwargs.get("tools"), kwargs))
+
+    async def wrapped_async(messages: Any, **kwargs: Any) -> Any:
+        return await call_async(Call(calls, backend, settings, messages, kwargs.get("tools"), kwargs))
+
+    return functools.wraps(fn)(wrapped_async if _is_async(fn) else wrapped)
+
+
+def _is_callable(client: Any) -> bool:
+    return callable(client) and not hasattr(client, "generate") and not hasattr(client, "model")
+
+
+register_wrapper(_is_callable)(wrap_callable)

@@ -1,0 +1,761 @@
+"""``profile``: the seed's VRAM test sequence on a real transformers model, measured, next to our prediction.
+
+Steps: the baseline after load; prompts of growing length (one prefill each) with the peak per step; generation
+of N new tokens; concurrency 1..N (a batch). Each step records the cache's real bytes (the distinct storages of
+every tensor the returned cache object holds), the peak above the step's start (``torch.cuda.max_memory_allocated``
+after ``reset_peak_memory_stats`` on GPU; the resident set's high-water mark on CPU) and the memory model's
+prediction for the transformers runtime. A least-squares fit of cache bytes over tokens gives the measured KV
+bytes per token, compared with the prediction; steps whose peak rises far faster than the series' own rate
+are flagged as jumps (quadratic attention, prefill workspaces, batching thresholds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import itertools
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .._exceptions import ConfigurationError
+from ..memory.render import human
+from .monitor import rss_bytes
+
+__all__ = [
+    "METERS",
+    "Jump",
+    "LoadedModel",
+    "ProfileReport",
+    "ProfileRow",
+    "ProfileSettings",
+    "cache_bytes",
+    "find_jumps",
+    "fit_slope",
+    "load_model",
+    "plot_profile",
+    "profile",
+    "stderr_progress",
+]
+
+Progress = Callable[[int, int, str], None]
+
+_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileSettings:
+    """The test sequence. ``lengths``: prompt lengths (batch 1). ``new_tokens``: generation lengths after a
+    prompt of ``generate_prompt`` tokens (default: the first length). ``batches``: concurrency steps, each a
+    batch of ``batch_tokens``-token prompts (default: the first length)."""
+
+    lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    new_tokens: tuple[int, ...] = (16, 64, 128)
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    generate_prompt: int | None = None
+    batch_tokens: int | None = None
+    jump_factor: float = 2.0  # a step is a jump when its peak rises this many times faster than its average so far
+    jump_floor: int = 2**20  # ... and by at least this many bytes more than that rate predicts
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("lengths", "new_tokens", "batches"):
+            values = getattr(self, name)
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ConfigurationError(f"profile {name} must be positive integers, got {values!r}")
+        if not self.lengths:
+            raise ConfigurationError("profile needs at least one prompt length")
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedModel:
+    """A model ready to profile: the module, its config as a dict, where it came from."""
+
+    model: Any
+    config: dict[str, Any]
+    name: str
+    origin: str
+    random_weights: bool
+    device: str
+    dtype: str  # fp32 | fp16 | bf16
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    table = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    key = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16"}.get(name, name)
+    if key not in table:
+        raise ConfigurationError(f"profile dtype {name!r}: use auto, fp32, fp16 or bf16")
+    return table[key]
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+
+
+def _hub_folder(repo_id: str) -> Path | None:
+    """The cached snapshot of a hub id (no network)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:
+        return None
+
+
+def load_model(
+    source: Any,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    random_weights: bool = False,
+    attn_implementation: str | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load ``source`` for profiling: a folder with weights (or a cached hub id) loads them; a config (file,
+    folder without weights, dict, catalog name, hub id with only its config cached) builds random weights —
+    same shapes, same dtype, so the same memory. Nothing is downloaded."""
+    import torch
+    import transformers
+
+    from ..memory.config import load_config
+
+    auto: Any = transformers.AutoModelForCausalLM  # untyped in transformers
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    folder: Path | None = None
+    if isinstance(source, (str, Path)):
+        path = Path(source).expanduser()
+        if path.is_dir():
+            folder = path
+        elif isinstance(source, str) and source.count("/") == 1 and not path.exists():
+            folder = _hub_folder(source)
+    raw, name, origin = load_config(source if folder is None else folder)
+    config_dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    chosen = _torch_dtype(str(config_dtype).replace("torch.", "") if dtype == "auto" else dtype)
+    extra: dict[str, Any] = {}
+    if attn_implementation is not None:
+        extra["attn_implementation"] = attn_implementation
+    torch.manual_seed(seed)
+    if folder is not None and _has_weights(folder) and not random_weights:
+        model: Any = auto.from_pretrained(folder, dtype=chosen, device_map=device, local_files_only=True, **extra)
+        random = False
+    else:
+        fields = {k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype", "transformers_version")}
+        config = transformers.AutoConfig.for_model(**fields)
+        with torch.device(device):
+            model = auto.from_config(config, dtype=chosen, **extra)
+        random = True
+    model.eval()
+    long_name = str(chosen).replace("torch.", "")
+    config_dict = model.config.to_dict()
+    config_dict["torch_dtype"] = config_dict["dtype"] = long_name  # what the memory model reads the dtype from
+    dtype_name = _DTYPES[long_name]
+    return LoadedModel(
+        model=model,
+        config=config_dict,
+        name=name,
+        origin=origin,
+        random_weights=random,
+        device=str(device),
+        dtype=dtype_name,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes the cache object keeps alive: the distinct storages of every tensor reachable from it.
+
+    Storages, not visible elements: a sliced view (a sliding layer's window) pins its whole base storage.
+    Walks any cache class (layers, lists, dicts, attributes) without knowing its layout.
+    """
+    import torch
+
+    seen_objects: set[int] = set()
+    storages: dict[tuple[str, int], int] = {}
+
+    def walk(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.nbytes():
+                storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+            return
+        if depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)) or id(obj) in seen_objects:
+            return
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.nn.Module) or hasattr(obj, "to_json_string"):
+            return  # a model or a config, not cache state
+        if isinstance(obj, dict):
+            for value in obj.values():
+                walk(value, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                walk(value, depth + 1)
+        elif hasattr(obj, "__dict__"):
+            for value in vars(obj).values():
+                walk(value, depth + 1)
+
+    walk(cache, 0)
+    return sum(storages.values())
+
+
+class Meter(Protocol):
+    """Measures one step: ``start`` before it, ``stop`` after it."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> tuple[int | None, int | None, int | None]:
+        """(peak above the start, peak reserved, retained above the start), None where unknown."""
+        ...
+
+    def baseline(self) -> tuple[int | None, int | None]:
+        """(allocated or resident bytes now, reserved bytes now)."""
+        ...
+
+
+class _CudaMeter:
+    """torch's caching allocator: exact peaks of allocated and reserved memory."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._cuda = torch.cuda
+        self._start = 0
+
+    def start(self) -> None:
+        gc.collect()
+        self._cuda.synchronize()
+        self._cuda.empty_cache()
+        self._cuda.reset_peak_memory_stats()
+        self._start = int(self._cuda.memory_allocated())
+
+    def stop(self) -> tuple[int | None, int | None, int | None]:
+        self._cuda.synchronize()
+        return (
+            int(self._cuda.max_memory_allocated()) - self._start,
+            int(self._cuda.max_memory_reserved()),
+            int(self._cuda.memory_allocated()) - self._start,
+        )
+
+    def baseline(self) -> tuple[int | None, int | None]:
+        self._cuda.synchronize()
+        return int(self._cuda.memory_allocated()), int(self._cuda.memory_reserved())
+
+
+def _vm_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _CpuMeter:
+    """The process's resident set: the high-water mark (Linux, reset through /proc/self/clear_refs) above the
+    step's start. Approximate: the C allocator may keep freed memory and reuse it without a new peak."""
+
+    def __init__(self) -> None:
+        self._start = 0
+        self._resettable = True
+        try:
+            self._trim: Any = ctypes.CDLL("libc.so.6").malloc_trim
+        except OSError:
+            self._trim = None
+
+    def start(self) -> None:
+        gc.collect()
+        if self._trim is not None:
+            self._trim(0)  # hand freed heap back so the next step's peak shows up in the RSS
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            self._resettable = False
+        self._start = rss_bytes() or 0
+
+    def stop(self) -> tuple[int | None, int | None, int | None]:
+        now = rss_bytes()
+        hwm = _vm_hwm() if self._resettable else None
+        return (
+            None if hwm is None else max(hwm - self._start, 0),
+            None,
+            None if now is None else now - self._start,
+        )
+
+    def baseline(self) -> tuple[int | None, int | None]:
+        return rss_bytes(), None
+
+
+METERS: dict[str, Callable[[], Meter]] = {"cuda": _CudaMeter, "cpu": _CpuMeter}
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileRow:
+    """One measured step. ``tokens``: cached tokens per sequence. Bytes above the step's start except
+    ``reserved_peak`` (absolute) and the cache (its own tensors)."""
+
+    phase: str  # prompt | generate | concurrency
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    tokens: int
+    cache_bytes: int
+    predicted_bytes: int
+    peak_bytes: int | None
+    retained_bytes: int | None
+    reserved_peak: int | None
+    seconds: float
+
+    @property
+    def workspace_bytes(self) -> int | None:
+        """The step's transient memory: its peak minus the cache it leaves (prefill activations, logits)."""
+        return None if self.peak_bytes is None else self.peak_bytes - self.cache_bytes
+
+    @property
+    def exact(self) -> bool:
+        return self.cache_bytes == self.predicted_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["workspace_bytes"] = self.workspace_bytes
+        data["exact"] = self.exact
+        return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class Jump:
+    """A step whose peak rose far faster than its series' usual rate."""
+
+    phase: str
+    before: str
+    after: str
+    increase: int
+    expected: int
+    hint: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileReport:
+    """The test sequence's measurements, the fitted KV slope against the prediction, and the jumps."""
+
+    model: str
+    origin: str
+    random_weights: bool
+    device: str
+    device_name: str
+    dtype: str
+    attn_implementation: str
+    weights_bytes: int
+    baseline_bytes: int | None
+    baseline_reserved: int | None
+    rows: tuple[ProfileRow, ...]
+    slope: float  # measured KV bytes per token (least squares over the prompt steps)
+    intercept: float
+    predicted_per_token: int
+    peak_per_token: float | None  # least-squares slope of the prompt steps' peaks (KV + activations)
+    jumps: tuple[Jump, ...]
+    versions: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted KV bytes per token (1.0: the memory model is right)."""
+        return self.slope / self.predicted_per_token if self.predicted_per_token else float("nan")
+
+    @property
+    def exact(self) -> bool:
+        """Every step's cache bytes equal the prediction, byte for byte."""
+        return all(row.exact for row in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "origin": self.origin,
+            "random_weights": self.random_weights,
+            "device": self.device,
+            "device_name": self.device_name,
+            "dtype": self.dtype,
+            "attn_implementation": self.attn_implementation,
+            "weights_bytes": self.weights_bytes,
+            "baseline_bytes": self.baseline_bytes,
+            "baseline_reserved": self.baseline_reserved,
+            "kv_bytes_per_token": {
+                "measured": self.slope,
+                "predicted": self.predicted_per_token,
+                "ratio": self.ratio,
+                "intercept": self.intercept,
+            },
+            "peak_bytes_per_token": self.peak_per_token,
+            "exact": self.exact,
+            "rows": [row.to_dict() for row in self.rows],
+            "jumps": [j.to_dict() for j in self.jumps],
+            "versions": dict(self.versions),
+            "notes": list(self.notes),
+        }
+
+    def table(self) -> str:
+        """The measurements as a readable table."""
+        peak_what = "peak above step start" if self.device == "cuda" else "RSS high-water above step start"
+        head = (
+            f"profile — {self.model} ({'random weights, ' if self.random_weights else ''}{self.dtype}, "
+            f"{self.attn_implementation}) on {self.device_name}"
+        )
+        lines = [head, f"weights {human(self.weights_bytes)}; baseline after load {_h(self.baseline_bytes)}"]
+        header = f"{'phase':<12}{'batch':>6}{'tokens':>8}{'cache (measured)':>18}{'predicted':>14}{'':>2}"
+        header += f"{'peak':>12}{'workspace':>12}{'s':>7}"
+        lines += ["", header, "-" * len(header)]
+        for r in self.rows:
+            mark = "=" if r.exact else "≠"
+            lines.append(
+                f"{r.phase:<12}{r.batch:>6}{r.tokens:>8}{r.cache_bytes:>18,}{r.predicted_bytes:>14,}{mark:>2}"
+                f"{_h(r.peak_bytes):>12}{_h(r.workspace_bytes):>12}{r.seconds:>7.2f}"
+            )
+        lines += [
+            "",
+            f"KV bytes per token: measured {self.slope:,.1f} (least squares over the prompt steps), "
+            f"predicted {self.predicted_per_token:,} (transformers runtime), ratio {self.ratio:.4f}",
+            f"cache bytes equal the prediction in {sum(r.exact for r in self.rows)} of {len(self.rows)} steps"
+            + (" (exact)" if self.exact else ""),
+        ]
+        if self.peak_per_token is not None:
+            lines.append(f"peak per prompt token ({peak_what}): {self.peak_per_token:,.0f} B (KV + activations)")
+        for jump in self.jumps:
+            lines.append(
+                f"jump: {jump.phase} {jump.before} -> {jump.after}: +{human(jump.increase)} where the series' rate "
+                f"predicts +{human(jump.expected)} — {jump.hint}"
+            )
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _h(n: int | None) -> str:
+    return "—" if n is None else human(n)
+
+
+def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``(slope, intercept)`` of ys over xs (slope 0 with fewer than two distinct xs)."""
+    n = len(xs)
+    if n == 0:
+        return 0.0, 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    if not var:
+        return 0.0, my
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    return slope, my - slope * mx
+
+
+_HINTS = {
+    "prompt": "the prefill workspace grows faster than the prompt (eager attention is quadratic; an allocator "
+    "or kernel threshold); check attn_implementation and the prefill chunk size",
+    "concurrency": "a batching threshold: the batch's workspace grows faster than its sequences (padding, "
+    "a kernel switching algorithms, the allocator rounding a larger block)",
+    "generate": "generation's memory grows faster than its cache (the cache copying on growth, sampling buffers)",
+}
+
+
+def find_jumps(
+    phase: str, points: Sequence[tuple[str, float, int]], *, factor: float = 2.0, floor: int = 2**20
+) -> list[Jump]:
+    """Steps whose peak rose more than ``factor`` times faster than the average so far (the previous step's
+    peak per unit of size) and by ``floor`` bytes more than that rate predicts. Linear growth, with or without
+    a fixed part, never rises faster than its average; quadratic attention does (3× per doubling).
+    ``points``: (label, size, peak) in order, size in tokens × sequences."""
+    out: list[Jump] = []
+    for a, b in itertools.pairwise(points):
+        if b[1] <= a[1] or a[1] <= 0:
+            continue
+        increase = b[2] - a[2]
+        expected = max(a[2], 0) / a[1] * (b[1] - a[1])
+        if increase > factor * expected and increase - expected >= floor:
+            out.append(
+                Jump(
+                    phase=phase,
+                    before=a[0],
+                    after=b[0],
+                    increase=int(increase),
+                    expected=int(expected),
+                    hint=_HINTS.get(phase, ""),
+                )
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def stderr_progress(width: int = 28) -> Progress:
+    """A one-line progress bar on stderr."""
+
+    def show(done: int, total: int, label: str) -> None:
+        filled = int(width * done / max(total, 1))
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<32}{end}")
+        sys.stderr.flush()
+
+    return show
+
+
+def _output_cache(out: Any) -> Any:
+    for name in ("cache", "past_key_values"):  # transformers 5 renamed past_key_values to cache
+        value = out.get(name) if hasattr(out, "get") else getattr(out, name, None)
+        if value is not None:
+            return value
+    raise ConfigurationError(f"{type(out).__name__} returned no cache: the model does not use a KV cache")
+
+
+def _forward(model: Any, ids: Any) -> Any:
+    import torch
+
+    with torch.inference_mode():
+        try:
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)  # as generate() does: last logits only
+        except TypeError:
+            out = model(input_ids=ids, use_cache=True)
+    return _output_cache(out)
+
+
+def _generate(model: Any, ids: Any, new: int) -> tuple[Any, int]:
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    # The last generated token is sampled from the logits but not yet written to the cache.
+    return _output_cache(out), int(out.sequences.shape[1]) - 1
+
+
+def _param_bytes(model: Any) -> int:
+    storages: dict[int, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def profile(
+    model: Any,
+    *,
+    settings: ProfileSettings | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    random_weights: bool = False,
+    attn_implementation: str | None = None,
+    progress: Progress | None = None,
+    **setting_fields: Any,
+) -> ProfileReport:
+    """Run the test sequence on ``model`` (anything :func:`load_model` takes, or a :class:`LoadedModel`).
+
+    ``setting_fields`` override :class:`ProfileSettings` fields (``lengths=(...)``, ``batches=(...)``...)."""
+    import torch
+    import transformers
+
+    from ..memory import ModelSpec, kv_report
+
+    options = dataclasses.replace(settings or ProfileSettings(), **setting_fields)
+    loaded = (
+        model
+        if isinstance(model, LoadedModel)
+        else load_model(
+            model,
+            device=device,
+            dtype=dtype,
+            random_weights=random_weights,
+            attn_implementation=attn_implementation,
+            seed=options.seed,
+        )
+    )
+    net = loaded.model
+    device_type = torch.device(loaded.device).type
+    if device_type not in METERS:
+        raise ConfigurationError(f"profile measures cuda and cpu devices, not {loaded.device!r}")
+    meter = METERS[device_type]()
+    spec = ModelSpec.from_config(loaded.config, name=loaded.name)
+    limit = spec.max_context
+    longest = max(
+        [*options.lengths, (options.generate_prompt or options.lengths[0]) + max(options.new_tokens, default=0)]
+    )
+    if limit is not None and longest > limit:
+        raise ConfigurationError(
+            f"{loaded.name} accepts at most {limit:,} tokens; the sequence asks for {longest:,}: "
+            "lower --lengths / --new-tokens"
+        )
+    vocab = int(spec.vocab_size or 2)
+    generator = torch.Generator().manual_seed(options.seed)
+
+    def ids(batch: int, tokens: int) -> Any:
+        # token 0 is left out: it often is the pad token
+        return torch.randint(1, vocab, (batch, tokens), generator=generator).to(loaded.device)
+
+    def predict(tokens: int, batch: int, phase: str) -> int:
+        return int(kv_report(spec, tokens, batch, runtime="transformers", kv_dtype=loaded.dtype, phase=phase).bytes)
+
+    gen_prompt = options.generate_prompt or options.lengths[0]
+    batch_tokens = options.batch_tokens or options.lengths[0]
+    plan_steps: list[tuple[str, int, int, int]] = [("prompt", 1, n, 0) for n in options.lengths]
+    plan_steps += [("generate", 1, gen_prompt, n) for n in options.new_tokens]
+    plan_steps += [("concurrency", b, batch_tokens, 0) for b in options.batches]
+    total = len(plan_steps) + 1
+
+    if progress:
+        progress(0, total, "warm-up and baseline")
+    _forward(net, ids(1, 8))  # first call initialises lazy state (kernels, thread pools) outside the steps
+    gc.collect()
+    baseline, baseline_reserved = meter.baseline()
+    if progress:
+        progress(1, total, "baseline")
+
+    rows: list[ProfileRow] = []
+    for i, (phase, batch, prompt, new) in enumerate(plan_steps, start=2):
+        x = ids(batch, prompt)
+        meter.start()
+        started = time.perf_counter()
+        if phase == "generate":
+            cache, cached = _generate(net, x, new)
+        else:
+            cache, cached = _forward(net, x), prompt
+        seconds = time.perf_counter() - started
+        peak, reserved, retained = meter.stop()
+        measured = cache_bytes(cache)
+        rows.append(
+            ProfileRow(
+                phase=phase,
+                batch=batch,
+                prompt_tokens=prompt,
+                new_tokens=new,
+                tokens=cached,
+                cache_bytes=measured,
+                predicted_bytes=predict(cached, batch, "steady" if phase == "generate" else "plan"),
+                peak_bytes=peak,
+                retained_bytes=retained,
+                reserved_peak=reserved,
+                seconds=round(seconds, 4),
+            )
+        )
+        del cache, x
+        if progress:
+            progress(i, total, f"{phase} {batch} × {prompt}" + (f" + {new}" if new else ""))
+
+    prompt_rows = [r for r in rows if r.phase == "prompt"]
+    slope, intercept = fit_slope([r.tokens for r in prompt_rows], [r.cache_bytes for r in prompt_rows])
+    peaks = [r for r in prompt_rows if r.peak_bytes is not None]
+    peak_slope = fit_slope([r.tokens for r in peaks], [r.peak_bytes or 0 for r in peaks])[0] if peaks else None
+    per_token = kv_report(spec, max(options.lengths), 1, runtime="transformers", kv_dtype=loaded.dtype)
+    jumps: list[Jump] = []
+    for phase in ("prompt", "generate", "concurrency"):
+        series = [
+            (f"{r.batch}×{r.tokens}", float(r.batch * r.tokens), r.peak_bytes)
+            for r in rows
+            if r.phase == phase and r.peak_bytes is not None
+        ]
+        jumps += find_jumps(
+            phase,
+            [(label, size, int(peak or 0)) for label, size, peak in series],
+            factor=options.jump_factor,
+            floor=options.jump_floor,
+        )
+    notes: list[str] = []
+    if loaded.random_weights:
+        notes.append("random weights built from the config: the same shapes and dtype, so the same memory")
+    if device_type == "cpu":
+        notes.append(
+            "CPU: peaks are the resident set's high-water mark above each step's start (approximate: the C "
+            "allocator may reuse freed memory); cache bytes are the cache tensors' own storage (exact)"
+        )
+    notes += list(per_token.notes)
+    name = torch.cuda.get_device_name(loaded.device) if device_type == "cuda" else platform.processor() or "CPU"
+    return ProfileReport(
+        model=loaded.name,
+        origin=loaded.origin,
+        random_weights=loaded.random_weights,
+        device=device_type,
+        device_name=name or "CPU",
+        dtype=loaded.dtype,
+        attn_implementation=str(getattr(net.config, "_attn_implementation", None) or "default"),
+        weights_bytes=_param_bytes(net),
+        baseline_bytes=baseline,
+        baseline_reserved=baseline_reserved,
+        rows=tuple(rows),
+        slope=slope,
+        intercept=intercept,
+        predicted_per_token=per_token.bytes_per_token,
+        peak_per_token=peak_slope,
+        jumps=tuple(jumps),
+        versions={
+            "torch": str(torch.__version__),
+            "transformers": str(transformers.__version__),
+            "python": platform.python_version(),
+        },
+        notes=tuple(notes),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- plot
+
+
+def plot_profile(report: ProfileReport, path: str | Path) -> Path:
+    """A PNG: cache bytes (measured and predicted) and peaks per step, for each series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [(phase, [r for r in report.rows if r.phase == phase]) for phase in ("prompt", "generate", "concurrency")]
+    series = [(phase, rows) for phase, rows in series if rows]
+    fig, axes = plt.subplots(1, len(series), figsize=(5.2 * len(series), 4.2), squeeze=False)
+    mib = 2**20
+    xlabel = {"prompt": "prompt tokens", "generate": "cached tokens (prompt + generated)", "concurrency": "sequences"}
+    for ax, (phase, rows) in zip(axes[0], series, strict=True):
+        xs = [r.batch if phase == "concurrency" else r.tokens for r in rows]
+        ax.plot(xs, [r.predicted_bytes / mib for r in rows], "-", color="tab:gray", label="predicted KV")
+        ax.plot(xs, [r.cache_bytes / mib for r in rows], "o", color="tab:blue", label="measured KV (cache tensors)")
+        peaks = [(x, r.peak_bytes / mib) for x, r in zip(xs, rows, strict=True) if r.peak_bytes is not None]
+        if peaks:
+            ax.plot(*zip(*peaks, strict=True), "s--", color="tab:red", label="peak above step start")
+        if phase == "prompt":
+            fit = [(report.intercept + report.slope * x) / mib for x in xs]
+            ax.plot(xs, fit, ":", color="tab:blue", label=f"fit: {report.slope:,.0f} B/token")
+        ax.set_title(f"{phase}")
+        ax.set_xlabel(xlabel[phase])
+        ax.set_ylabel("MiB")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"{report.model} — {report.dtype}, {report.attn_implementation}, {report.device_name}; "
+        f"KV/token measured {report.slope:,.0f} B vs predicted {report.predicted_per_token:,} B",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,847 @@
+"""The transcript: everything each wrapped call was given, sent and received, so nothing fitting removes is lost.
+
+A :class:`TranscriptEntry` per call holds the caller's full message list, the fitted prompt, the reply, which
+inputs the prompt left out (``dropped``) or carried in a changed form (``rewritten``: pruned, truncated,
+de-duplicated, summarised) and the fit's report. ``recover(call)`` gives those inputs back in their original
+form; ``history(conversation)`` the whole, never-trimmed chat to resume from.
+
+Storage is content-addressed so a long chat costs linear space, not quadratic: every distinct message (and
+tools list) is stored once under a hash of its canonical JSON, and a call's message lists are paths in a trie
+of (previous message, message) nodes, so a call that extends the previous call's list adds only its new
+messages. Index lists are stored as runs. :class:`MemoryTranscript` keeps this in dicts;
+:class:`SQLiteTranscript` in a SQLite file (WAL mode) that survives restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import sqlite3
+import threading
+import time as _time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._exceptions import ContextKeeperError
+from .messages import Message
+
+__all__ = [
+    "MemoryTranscript",
+    "SQLiteTranscript",
+    "Transcript",
+    "TranscriptEntry",
+    "UnknownCall",
+    "diff_prompt",
+    "make_entry",
+    "open_transcript",
+]
+
+Indices = tuple[int, ...]
+
+
+class UnknownCall(ContextKeeperError, LookupError):
+    """A call number that the transcript does not hold."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TranscriptEntry:
+    """One wrapped call. ``inputs`` is the caller's full list, ``sent`` the fitted prompt (plain dicts);
+    ``dropped`` / ``rewritten`` index into ``inputs``. ``call`` is assigned by the transcript (0 until
+    recorded); ``received`` is None when the call failed (``error`` says why)."""
+
+    call: int = 0
+    conversation: str = "default"
+    time: float = 0.0
+    inputs: tuple[dict[str, Any], ...] = ()
+    sent: tuple[dict[str, Any], ...] = ()
+    tools: tuple[dict[str, Any], ...] | None = None
+    received: dict[str, Any] | None = None
+    dropped: Indices = ()
+    rewritten: Indices = ()
+    actions: tuple[dict[str, Any], ...] = ()
+    report: dict[str, Any] = dataclasses.field(default_factory=dict)
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    attempts: int = 1
+
+    @property
+    def removed(self) -> Indices:
+        """Inputs not in the prompt as given: dropped or rewritten, in order."""
+        return tuple(sorted({*self.dropped, *self.rewritten}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------- plain dicts
+
+
+def _plain(message: Any) -> dict[str, Any]:
+    """A message (or reply) as a plain dict: dicts as they are, anything else through :class:`Message`."""
+    if type(message) is dict:
+        return message
+    if isinstance(message, Mapping):
+        return dict(message)
+    if isinstance(message, Message):
+        return message.to_dict()
+    try:
+        return Message.from_dict(message).to_dict()
+    except ContextKeeperError:
+        dump = getattr(message, "model_dump", None)  # a reply the message model refuses: keep what it says
+        if callable(dump):
+            data = dump()
+            if isinstance(data, dict):
+                return data
+        return {"content": str(message)}
+
+
+def _plains(messages: Sequence[Any]) -> tuple[dict[str, Any], ...]:
+    if set(map(type, messages)) <= {dict}:
+        return tuple(messages)
+    return tuple(_plain(m) for m in messages)
+
+
+def _plain_value(value: Any) -> dict[str, Any] | None:
+    """Usage and similar objects as plain dicts."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return dict(value)
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        data = dump()
+        if isinstance(data, dict):
+            return data
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return {"value": str(value)}
+
+
+def _default(value: Any) -> Any:
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump()
+    if isinstance(value, (tuple, set, frozenset)):
+        return list(value)
+    return str(value)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_default)
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------- diff
+
+
+def _key(message: dict[str, Any]) -> tuple[Any, ...]:
+    """What a rewrite keeps of its source: a tool result its call id, a tool-calling assistant its call ids,
+    any other message its role."""
+    role = message.get("role")
+    if role == "tool" and message.get("tool_call_id") is not None:
+        return ("tool", message["tool_call_id"])
+    calls = message.get("tool_calls")
+    if role == "assistant" and calls:
+        ids = tuple(c.get("id") if isinstance(c, Mapping) else getattr(c, "id", None) for c in calls)
+        return ("calls", ids)
+    return ("role", role)
+
+
+def _is_summary(message: dict[str, Any]) -> bool:
+    from .strategies.summarize import SUMMARY_PREFIX
+
+    content = message.get("content")
+    return message.get("role") == "user" and isinstance(content, str) and content.startswith(SUMMARY_PREFIX)
+
+
+def _is_ack(message: dict[str, Any]) -> bool:
+    from .strategies.summarize import ACKNOWLEDGEMENT
+
+    return message.get("role") == "assistant" and message.get("content") == ACKNOWLEDGEMENT
+
+
+def diff_prompt(inputs: Sequence[Any], sent: Sequence[Any], *, unread: int = 0) -> tuple[Indices, Indices, Indices]:
+    """``(kept, dropped, rewritten)``: indices of ``inputs`` that are in the prompt ``sent`` verbatim, that it
+    left out, and that it carries in a changed form.
+
+    ``kept`` is a monotone matching (a fit keeps order): identical objects first (a fit hands unchanged dicts
+    back as the caller's own), then equal messages between those anchors. Of the rest, an input is
+    ``rewritten`` when a changed prompt message in the same gap stands for it: a tool result with its
+    ``tool_call_id``, an assistant with its tool call ids, or the nearest message of its role (matched from
+    the end of the gap, since a fit drops the oldest first). Inputs a verified summary replaced count as
+    rewritten (their content lives on in it), except the ``unread`` oldest history messages, which a fit
+    drops beyond its horizon without reading. Everything else is ``dropped``.
+    """
+    n, m = len(inputs), len(sent)
+    plain_in: dict[int, dict[str, Any]] = {}
+    plain_out: dict[int, dict[str, Any]] = {}
+
+    def pin(i: int) -> dict[str, Any]:
+        if i not in plain_in:
+            plain_in[i] = _plain(inputs[i])
+        return plain_in[i]
+
+    def pout(j: int) -> dict[str, Any]:
+        if j not in plain_out:
+            plain_out[j] = _plain(sent[j])
+        return plain_out[j]
+
+    # 1. Identity anchors, in order.
+    match: dict[int, int] = {}  # sent index -> input index
+    last = -1
+    unique = dict(zip(map(id, inputs), range(n), strict=True))  # at C speed: a long chat is mostly kept as is
+    if len(unique) == n:
+        for j, message in enumerate(sent):
+            found = unique.get(id(message))
+            if found is not None and found > last:
+                match[j] = last = found
+    else:  # the caller put one object in its list twice
+        by_id: dict[int, list[int]] = {}
+        for i, message in enumerate(inputs):
+            by_id.setdefault(id(message), []).append(i)
+        for j, message in enumerate(sent):
+            found = next((c for c in by_id.get(id(message), ()) if c > last), None)
+            if found is not None:
+                match[j] = last = found
+    # 2. Equal messages between anchors.
+    anchors = [(-1, -1), *sorted((i, j) for j, i in match.items()), (n, m)]
+    gaps: list[tuple[range, range]] = []
+    for (i0, j0), (i1, j1) in itertools.pairwise(anchors):
+        gaps.append((range(i0 + 1, i1), range(j0 + 1, j1)))
+    for in_gap, out_gap in gaps:
+        pointer = in_gap.start
+        for j in out_gap:
+            equal = next((i for i in range(pointer, in_gap.stop) if pin(i) == pout(j)), None)
+            if equal is not None:
+                match[j] = equal
+                pointer = equal + 1
+    kept = set(match.values())
+    # 3. Attribute what is left, gap by gap.
+    system_end = 0
+    while system_end < n and pin(system_end).get("role") in ("system", "developer"):
+        system_end += 1
+    never_read = range(system_end, system_end + max(0, unread))
+    rewritten: set[int] = set()
+    for in_gap, out_gap in gaps:
+        changed = [j for j in out_gap if j not in match]
+        if not changed:
+            continue  # a gap of inputs the prompt does not hold in any form: dropped
+        free_in = [i for i in in_gap if i not in kept]
+        if not free_in:
+            continue
+        summarised = False
+        pointer = len(free_in)
+        for j in reversed(changed):
+            message = pout(j)
+            if _is_summary(message):
+                summarised = True
+                continue
+            if _is_ack(message) and j > 0 and _is_summary(pout(j - 1)):
+                continue
+            key = _key(message)
+            found = next((p for p in range(pointer - 1, -1, -1) if _key(pin(free_in[p])) == key), None)
+            if found is not None:
+                rewritten.add(free_in[found])
+                pointer = found
+        if summarised:
+            rewritten.update(i for i in free_in[:pointer] if i not in never_read)
+    dropped = tuple(sorted(set(range(n)) - kept - rewritten))
+    return tuple(sorted(kept)), dropped, tuple(sorted(rewritten))
+
+
+def make_entry(
+    inputs: Sequence[Any],
+    fit: Any = None,
+    *,
+    conversation: str = "default",
+    tools: Sequence[Any] | None = None,
+    received: Any = None,
+    usage: Any = None,
+    error: str | BaseException | None = None,
+    attempts: int = 1,
+    sent: Sequence[Any] | None = None,
+    time: float | None = None,
+) -> TranscriptEntry:
+    """The entry for one call: ``inputs`` the caller's list, ``fit`` the :class:`~contextkeeper.keeper.Fit`
+    whose prompt was sent (None: the call failed before a prompt was made). ``sent`` overrides
+    ``fit.messages`` (the prompt of the last attempt, after a retry shrank it). The entry refers to the
+    caller's dicts; the transcript copies them when it records the entry."""
+    report = fit.report if fit is not None else None
+    prompt = list(sent) if sent is not None else (list(fit.messages) if fit is not None else [])
+    if fit is None and sent is None:
+        dropped: Indices = ()
+        rewritten: Indices = ()
+    else:
+        unread = int(getattr(report, "unread", 0) or 0)
+        _, dropped, rewritten = diff_prompt(inputs, prompt, unread=unread)
+    report_dict: dict[str, Any] = report.to_dict() if report is not None else {}
+    return TranscriptEntry(
+        conversation=conversation,
+        time=_time.time() if time is None else time,
+        inputs=_plains(inputs),
+        sent=_plains(prompt),
+        tools=tuple(_plain_value(t) or {} for t in tools) if tools else None,
+        received=_plain(received) if received is not None else None,
+        dropped=dropped,
+        rewritten=rewritten,
+        actions=tuple(report_dict.get("actions", ())),
+        report=report_dict,
+        usage=_plain_value(usage),
+        error=None if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}"),
+        attempts=attempts,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ storage
+
+
+def _runs(indices: Iterable[int]) -> list[list[int]]:
+    """Sorted indices as [start, stop) runs: a sliding window drops one long run, not thousands of indices."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def _unruns(runs: Iterable[Sequence[int]]) -> Indices:
+    return tuple(i for start, stop in runs for i in range(start, stop))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Row:
+    """An entry as stored: message lists as trie nodes, other lists as blob ids or runs, the rest as JSON."""
+
+    call: int
+    conversation: str
+    time: float
+    inputs: int  # trie node of the last input (0: empty list)
+    sent: int
+    tools: int | None  # blob id
+    received: int | None
+    dropped: str  # JSON runs
+    rewritten: str
+    report: str  # JSON (actions are report["actions"])
+    usage: str | None
+    error: str | None
+    attempts: int
+
+
+_ID_CACHE_LIMIT = 1 << 16
+
+
+class _Never:
+    """Equal to nothing: the snapshot of a message that cannot be compared cheaply."""
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = object.__hash__
+
+
+_NEVER = _Never()
+
+
+class Transcript:
+    """Where entries are kept. Subclasses provide the storage primitives; everything else is shared.
+
+    Thread-safe. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        # id(message) -> (message, blob id, snapshot to compare with): a message sent again on every turn is
+        # neither serialised nor hashed again. The reference keeps the id from being reused; the snapshot
+        # notices a dict the caller changed in place.
+        self._seen: dict[int, tuple[object, int, object]] = {}
+        self._blobs: dict[str, int] = {}  # digest -> blob id
+        self._nodes: dict[tuple[int, int], int] = {}  # (parent node, blob id) -> node
+        self._created: set[int] = set()  # nodes this instance stored
+        # conversation -> snapshots of the inputs it last recorded and their trie nodes
+        self._paths: dict[str, tuple[tuple[object, ...], list[int]]] = {}
+
+    # -- primitives -------------------------------------------------------------------------------------
+    def _store_blob(self, digest: str, text: str) -> int:
+        raise NotImplementedError
+
+    def _find_blob(self, digest: str) -> int | None:
+        raise NotImplementedError
+
+    def _blob_texts(self, ids: set[int]) -> dict[int, str]:
+        raise NotImplementedError
+
+    def _store_node(self, parent: int, blob: int) -> int:
+        raise NotImplementedError
+
+    def _find_node(self, parent: int, blob: int) -> int | None:
+        raise NotImplementedError
+
+    def _path(self, node: int) -> list[int]:
+        """Blob ids from the root to ``node``."""
+        raise NotImplementedError
+
+    def _paths_of(self, nodes: set[int]) -> dict[int, list[int]]:
+        return {node: self._path(node) for node in nodes}
+
+    def _insert(self, row: _Row) -> int:
+        raise NotImplementedError
+
+    def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
+        raise NotImplementedError
+
+    def _commit(self) -> None:
+        pass
+
+    def _rollback(self) -> bool:
+        """Undo a half-written entry; True when ids handed out since the last commit are gone with it."""
+        return False
+
+    # -- interning --------------------------------------------------------------------------------------
+    def _blob(self, value: Any, text: str | None = None) -> int:
+        text = _canonical(value) if text is None else text
+        digest = _digest(text)
+        blob = self._blobs.get(digest)
+        if blob is None:
+            blob = self._find_blob(digest)
+            if blob is None:
+                blob = self._store_blob(digest, text)
+            self._blobs[digest] = blob
+        return blob
+
+    def _message_blob(self, message: Any) -> tuple[int, object]:
+        """The message's blob id, and a snapshot that compares equal to it while it is unchanged (a copy of a
+        dict, a Message itself; ``_NEVER`` for objects we cannot compare cheaply)."""
+        seen = self._seen.get(id(message))
+        if seen is not None and seen[0] is message and seen[2] == message:
+            return seen[1], seen[2]
+        if type(message) is dict:
+            text = _canonical(message)
+            blob = self._blob(None, text)
+            snapshot: object = json.loads(text)
+        elif isinstance(message, Message):
+            blob, snapshot = self._blob(message.to_dict()), message
+        else:
+            return self._blob(_plain(message)), _NEVER
+        if len(self._seen) >= _ID_CACHE_LIMIT:
+            self._seen.clear()
+        self._seen[id(message)] = (message, blob, snapshot)
+        return blob, snapshot
+
+    def _node(self, messages: Sequence[Any], lane: str | None = None) -> int:
+        """The trie node of ``messages``. With a ``lane`` (one conversation's inputs), the list the lane saw
+        last is compared in one go (by value, so edits in place are noticed): a growing chat costs its new
+        messages, not its whole length, on every call."""
+        node, start = 0, 0
+        snapshots: list[object] = []
+        nodes: list[int] = []
+        memo = self._paths.get(lane) if lane is not None else None
+        if memo is not None:
+            known, known_nodes = memo
+            size = len(known)
+            if size and size <= len(messages) and tuple(messages[:size]) == known:
+                node, start = known_nodes[-1], size
+                snapshots, nodes = list(known), list(known_nodes)
+        comparable = len(snapshots) == start
+        for message in messages[start:] if start else messages:
+            blob, snapshot = self._message_blob(message)
+            child = self._nodes.get((node, blob))
+            if child is None:
+                # A node this instance made has no children but those in the cache: no need to ask the store.
+                child = None if node in self._created else self._find_node(node, blob)
+                if child is None:
+                    child = self._store_node(node, blob)
+                    self._created.add(child)
+                self._nodes[(node, blob)] = child
+            node = child
+            comparable = comparable and snapshot is not _NEVER
+            if comparable:
+                snapshots.append(snapshot)
+                nodes.append(node)
+        if lane is not None:
+            self._paths[lane] = (tuple(snapshots), nodes)
+        return node
+
+    # -- public -----------------------------------------------------------------------------------------
+    def record(self, entry: TranscriptEntry) -> TranscriptEntry:
+        """Store ``entry`` and return it with its call number."""
+        with self._lock:
+            try:
+                row = _Row(
+                    call=0,
+                    conversation=entry.conversation,
+                    time=entry.time,
+                    inputs=self._node(entry.inputs, lane=entry.conversation),
+                    sent=self._node(entry.sent),
+                    tools=self._blob(list(entry.tools)) if entry.tools is not None else None,
+                    received=self._blob(entry.received) if entry.received is not None else None,
+                    dropped=json.dumps(_runs(entry.dropped)),
+                    rewritten=json.dumps(_runs(entry.rewritten)),
+                    report=_canonical({**entry.report, "actions": list(entry.actions)}),
+                    usage=_canonical(entry.usage) if entry.usage is not None else None,
+                    error=entry.error,
+                    attempts=entry.attempts,
+                )
+                call = self._insert(row)
+                self._commit()
+            except BaseException:
+                if self._rollback():  # the caches may hold ids the rollback took back
+                    self._blobs.clear()
+                    self._nodes.clear()
+                    self._seen.clear()
+                    self._paths.clear()
+                    self._created.clear()
+                raise
+        return dataclasses.replace(entry, call=call)
+
+    def add(self, inputs: Sequence[Any], fit: Any = None, **details: Any) -> TranscriptEntry:
+        """Record one call: :func:`make_entry` then :meth:`record`."""
+        return self.record(make_entry(inputs, fit, **details))
+
+    def _entries(self, rows: list[_Row]) -> list[TranscriptEntry]:
+        wanted: set[int] = set()
+        paths = self._paths_of({node for row in rows for node in (row.inputs, row.sent)})
+        for path in paths.values():
+            wanted.update(path)
+        for row in rows:
+            wanted.update(b for b in (row.tools, row.received) if b is not None)
+        texts = self._blob_texts(wanted)
+        # Within one read, a message shared by several entries is one dict (parsed once).
+        parsed: dict[int, Any] = {}
+
+        def value(blob: int) -> Any:
+            if blob not in parsed:
+                parsed[blob] = json.loads(texts[blob])
+            return parsed[blob]
+
+        out = []
+        for row in rows:
+            report = json.loads(row.report)
+            out.append(
+                TranscriptEntry(
+                    call=row.call,
+                    conversation=row.conversation,
+                    time=row.time,
+                    inputs=tuple(value(b) for b in paths[row.inputs]),
+                    sent=tuple(value(b) for b in paths[row.sent]),
+                    tools=tuple(value(row.tools)) if row.tools is not None else None,
+                    received=value(row.received) if row.received is not None else None,
+                    dropped=_unruns(json.loads(row.dropped)),
+                    rewritten=_unruns(json.loads(row.rewritten)),
+                    actions=tuple(report.get("actions", ())),
+                    report=report,
+                    usage=json.loads(row.usage) if row.usage is not None else None,
+                    error=row.error,
+                    attempts=row.attempts,
+                )
+            )
+        return out
+
+    def entries(self, conversation: str | None = None) -> list[TranscriptEntry]:
+        """Every entry (of ``conversation``), oldest first."""
+        with self._lock:
+            return self._entries(self._select(conversation))
+
+    def last(self, conversation: str | None = None) -> TranscriptEntry | None:
+        """The latest entry (of ``conversation``), or None."""
+        with self._lock:
+            rows = self._select(conversation, last=True)
+            return self._entries(rows)[0] if rows else None
+
+    def get(self, call: int) -> TranscriptEntry:
+        """The entry of ``call``; :class:`UnknownCall` when there is none."""
+        with self._lock:
+            rows = self._select(None, call=call)
+            if not rows:
+                raise UnknownCall(f"the transcript holds no call {call}")
+            return self._entries(rows)[0]
+
+    def recover(self, call: int) -> list[dict[str, Any]]:
+        """The inputs of ``call`` that its prompt dropped or rewrote, in their original form and order."""
+        entry = self.get(call)
+        return [entry.inputs[i] for i in entry.removed]
+
+    def history(self, conversation: str = "default") -> list[dict[str, Any]]:
+        """The full conversation as the latest call saw it, never trimmed, plus its reply: what to resume from."""
+        entry = self.last(conversation)
+        if entry is None:
+            return []
+        return [*entry.inputs, *([entry.received] if entry.received is not None else [])]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._select(None))
+
+    def close(self) -> None:
+        """Release the storage (a no-op in memory)."""
+
+    def __enter__(self) -> Transcript:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MemoryTranscript(Transcript):
+    """Entries in this process's memory, lost when it ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._texts: list[str] = []
+        self._parents: list[int] = [0]  # node 0 is the empty list
+        self._node_blobs: list[int] = [-1]
+        self._rows: list[_Row] = []
+
+    def _store_blob(self, digest: str, text: str) -> int:
+        self._texts.append(text)
+        return len(self._texts) - 1
+
+    def _find_blob(self, digest: str) -> int | None:
+        return None  # self._blobs (the shared cache) is the index in memory
+
+    def _blob_texts(self, ids: set[int]) -> dict[int, str]:
+        return {i: self._texts[i] for i in ids}
+
+    def _store_node(self, parent: int, blob: int) -> int:
+        self._parents.append(parent)
+        self._node_blobs.append(blob)
+        return len(self._parents) - 1
+
+    def _find_node(self, parent: int, blob: int) -> int | None:
+        return None
+
+    def _path(self, node: int) -> list[int]:
+        out = []
+        while node:
+            out.append(self._node_blobs[node])
+            node = self._parents[node]
+        return out[::-1]
+
+    def _insert(self, row: _Row) -> int:
+        call = len(self._rows) + 1
+        self._rows.append(dataclasses.replace(row, call=call))
+        return call
+
+    def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
+        if call is not None:
+            return [self._rows[call - 1]] if 1 <= call <= len(self._rows) else []
+        rows = self._rows if conversation is None else [r for r in self._rows if r.conversation == conversation]
+        return rows[-1:] if last else list(rows)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS blobs (id INTEGER PRIMARY KEY, digest TEXT NOT NULL UNIQUE, json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+    id INTEGER PRIMARY KEY, parent INTEGER NOT NULL, blob INTEGER NOT NULL, UNIQUE (parent, blob)
+);
+CREATE TABLE IF NOT EXISTS calls (
+    call INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation TEXT NOT NULL,
+    time REAL NOT NULL,
+    inputs INTEGER NOT NULL,
+    sent INTEGER NOT NULL,
+    tools INTEGER,
+    received INTEGER,
+    dropped TEXT NOT NULL,
+    rewritten TEXT NOT NULL,
+    report TEXT NOT NULL,
+    usage TEXT,
+    error TEXT,
+    attempts INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS calls_by_conversation ON calls (conversation, call);
+"""
+
+_PATH = """
+WITH RECURSIVE chain(id, parent, blob, depth) AS (
+    SELECT id, parent, blob, 0 FROM nodes WHERE id = ?
+    UNION ALL
+    SELECT n.id, n.parent, n.blob, c.depth + 1 FROM nodes n JOIN chain c ON n.id = c.parent
+)
+SELECT blob FROM chain ORDER BY depth DESC
+"""
+
+
+class SQLiteTranscript(Transcript):
+    """Entries in a SQLite file that survives restarts; call numbers continue where the file left off.
+
+    One connection shared by threads under the transcript's lock; WAL mode so readers in other processes
+    (an app inspecting the file) do not block writes.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path = Path(path)
+        if self.path.parent and not self.path.parent.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db: sqlite3.Connection | None = sqlite3.connect(
+            str(self.path), check_same_thread=False, isolation_level=None
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._open = False
+
+    def __repr__(self) -> str:
+        return f"SQLiteTranscript({str(self.path)!r})"
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise ContextKeeperError(f"the transcript {self.path} is closed")
+        return self._db
+
+    def _begin(self) -> None:
+        if not self._open:
+            self.db.execute("BEGIN")
+            self._open = True
+
+    def _store_blob(self, digest: str, text: str) -> int:
+        self._begin()
+        cursor = self.db.execute("INSERT INTO blobs (digest, json) VALUES (?, ?)", (digest, text))
+        return int(cursor.lastrowid or 0)
+
+    def _find_blob(self, digest: str) -> int | None:
+        found = self.db.execute("SELECT id FROM blobs WHERE digest = ?", (digest,)).fetchone()
+        return int(found[0]) if found else None
+
+    def _blob_texts(self, ids: set[int]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        order = sorted(ids)
+        for start in range(0, len(order), 500):  # below SQLite's limit on bound parameters
+            chunk = order[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for blob, text in self.db.execute(f"SELECT id, json FROM blobs WHERE id IN ({marks})", chunk):
+                out[int(blob)] = str(text)
+        return out
+
+    def _store_node(self, parent: int, blob: int) -> int:
+        self._begin()
+        cursor = self.db.execute("INSERT INTO nodes (parent, blob) VALUES (?, ?)", (parent, blob))
+        return int(cursor.lastrowid or 0)
+
+    def _find_node(self, parent: int, blob: int) -> int | None:
+        found = self.db.execute("SELECT id FROM nodes WHERE parent = ? AND blob = ?", (parent, blob)).fetchone()
+        return int(found[0]) if found else None
+
+    def _path(self, node: int) -> list[int]:
+        if not node:
+            return []
+        return [int(blob) for (blob,) in self.db.execute(_PATH, (node,))]
+
+    def _paths_of(self, nodes: set[int]) -> dict[int, list[int]]:
+        if len(nodes) <= 4:
+            return super()._paths_of(nodes)
+        # Many entries: one scan of the trie beats a recursive query per entry.
+        parents: dict[int, tuple[int, int]] = {
+            int(i): (int(p), int(b)) for i, p, b in self.db.execute("SELECT id, parent, blob FROM nodes")
+        }
+        out: dict[int, list[int]] = {}
+        for node in nodes:
+            path: list[int] = []
+            at = node
+            while at:
+                parent, blob = parents[at]
+                path.append(blob)
+                at = parent
+            out[node] = path[::-1]
+        return out
+
+    def _insert(self, row: _Row) -> int:
+        self._begin()
+        cursor = self.db.execute(
+            "INSERT INTO calls (conversation, time, inputs, sent, tools, received, dropped, rewritten, report, "
+            "usage, error, attempts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.conversation,
+                row.time,
+                row.inputs,
+                row.sent,
+                row.tools,
+                row.received,
+                row.dropped,
+                row.rewritten,
+                row.report,
+                row.usage,
+                row.error,
+                row.attempts,
+            ),
+        )
+        return int(cursor.lastrowid or 0)
+
+    def _commit(self) -> None:
+        if self._open:
+            self._open = False
+            self.db.execute("COMMIT")
+
+    def _rollback(self) -> bool:
+        if not self._open:
+            return False
+        self._open = False
+        self.db.execute("ROLLBACK")
+        return True
+
+    def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
+        columns = (
+            "call, conversation, time, inputs, sent, tools, received, dropped, rewritten, report, usage, error, "
+            "attempts"
+        )
+        where: list[str] = []
+        args: list[int | str] = []
+        if call is not None:
+            where.append("call = ?")
+            args.append(call)
+        if conversation is not None:
+            where.append("conversation = ?")
+            args.append(conversation)
+        sql = f"SELECT {columns} FROM calls"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY call DESC LIMIT 1" if last else " ORDER BY call"
+        return [
+            _Row(
+                call=int(r[0]),
+                conversation=str(r[1]),
+                time=float(r[2]),
+                inputs=int(r[3]),
+                sent=int(r[4]),
+                tools=None if r[5] is None else int(r[5]),
+                received=None if r[6] is None else int(r[6]),
+                dropped=str(r[7]),
+                rewritten=str(r[8]),
+                report=str(r[9]),
+                usage=None if r[10] is None else str(r[10]),
+                error=None if r[11] is None else str(r[11]),
+                attempts=int(r[12]),
+            )
+            for r in self.db.execute(sql, args)
+        ]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return int(self.db.execute("SELECT COUNT(*) FROM calls").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+
+def open_transcript(spec: Transcript | str | Path | None) -> Transcript:
+    """None: a :class:`MemoryTranscript`; a path: a :class:`SQLiteTranscript` there; a transcript: itself."""
+    if spec is None:
+        return MemoryTranscript()
+    if isinstance(spec, Transcript):
+        return spec
+    if isinstance(spec, (str, Path)):
+        return SQLiteTranscript(spec)
+    raise TypeError(f"transcript must be None, a path or a Transcript, got {type(spec).__name__}")
