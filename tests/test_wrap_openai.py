@@ -238,3 +238,15 @@ def test_transcript_survives_restart(server: ChatServer, tokenizer: Any, tmp_pat
         recovered = again.transcript.recover(last.call)
         assert recovered == [history[i] for i in last.removed]
         assert again.transcript.history()[: len(history) - 1] == history[:-1]
+
+
+def test_a_server_that_truncates_silently_is_noticed(tokenizer: Any) -> None:
+    # Ollama cuts an over-long prompt instead of refusing it; its usage then reports fewer tokens than were sent.
+    with ChatServer(tokenizer_dir("qwen2"), max_model_len=256, dialect="ollama", tokenizer=tokenizer) as server:
+        keeper = keeper_for(tokenizer, context=4096)
+        client = keeper.wrap(client_for(server))
+        messages = [{"role": "user", "content": user_text(0, 300)}]
+        with pytest.warns(DriftWarning, match="cut the prompt"):
+            client.chat.completions.create(model="m", messages=messages, max_tokens=16)
+        assert keeper.last_call.drift is not None
+        assert keeper.last_call.drift < 0

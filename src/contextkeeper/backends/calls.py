@@ -18,6 +18,7 @@ import contextvars
 import dataclasses
 import inspect
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -324,13 +325,21 @@ class Call:
                 if warn:
                     self.server.drift_warned = True
             if warn:
-                warnings.warn(
+                counted = (
                     f"{self.backend.server} counted {reply.prompt_tokens:,} prompt tokens where the keeper counted "
-                    f"{fit.tokens:,} ({drift:+,}). Later calls keep {max(drift, 0):,} tokens free for the "
-                    "difference. Fix: pass the server's own chat template (chat_template=...) and tokenizer",
-                    DriftWarning,
-                    stacklevel=2,
+                    f"{fit.tokens:,} ({drift:+,})."
                 )
+                if drift > 0:
+                    advice = (
+                        f" Later calls keep {drift:,} tokens free for the difference. Fix: pass the server's own "
+                        "chat template (chat_template=...) and tokenizer"
+                    )
+                else:  # fewer than sent: a server that cuts prompts silently (Ollama does, past num_ctx)
+                    advice = (
+                        " The server may have cut the prompt without saying so. Fix: set context_window to the "
+                        "server's context (Ollama: num_ctx), and pass its own chat template and tokenizer"
+                    )
+                warnings.warn(counted + advice, DriftWarning, stacklevel=_caller_level())
         if self.recoveries:
             with self.calls.lock:
                 self.server.recoveries += 1
@@ -406,6 +415,20 @@ class Call:
             report.attempts,
             report.admission,
         )
+
+
+_INSIDE = ("contextkeeper.", "tenacity", "openai", "httpx", "asyncio", "concurrent.")
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the application's line that made the call, past our own
+    frames and the retry, SDK and event-loop frames between them."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith(_INSIDE):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def _advance(steps: Generator[tuple[int, int], Ticket, Request], ticket: Ticket | None) -> tuple[int, int] | Request:
