@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from agent_conversation import TOOLS, build  # noqa: E402
+from report import write_section  # noqa: E402
 
 import contextkeeper as ck  # noqa: E402
 from assets import template, tokenizer_dir  # noqa: E402
@@ -168,14 +169,7 @@ def main() -> int:
     block = "\n".join(lines)
     print(block)
     if not args.no_write:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text(encoding="utf-8") if doc.exists() else ""
-        if "<!-- counting:start -->" in text:
-            head, rest = text.split("<!-- counting:start -->", 1)
-            text = head + block + rest.split("<!-- counting:end -->", 1)[1]
-        else:
-            text += ("\n" if text else "") + block + "\n"
-        doc.write_text(text, encoding="utf-8")
+        write_section("counting", block)
     return 0
 
 

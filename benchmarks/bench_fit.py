@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from agent_conversation import TOOLS, build  # noqa: E402
+from report import write_section  # noqa: E402
 
 import contextkeeper as ck  # noqa: E402
 from assets import template, tokenizer_dir  # noqa: E402
@@ -673,15 +674,7 @@ def main() -> int:
     block = "\n".join(lines)
     print(block)
     if not args.no_write:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text(encoding="utf-8") if doc.exists() else ""
-        if "<!-- fit:start -->" in text:
-            head, rest = text.split("<!-- fit:start -->", 1)
-            text = head + block + rest.split("<!-- fit:end -->", 1)[1]
-        else:
-            heading = "## Fitting a long conversation: contextkeeper vs peers"
-            text = text.rstrip("\n") + "\n\n" + heading + "\n\n" + block + "\n"
-        doc.write_text(text, encoding="utf-8")
+        write_section("fit", block, heading="## Fitting a long conversation: contextkeeper vs peers")
     print(f"total {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return 0
 

@@ -8,19 +8,9 @@ from pathlib import Path
 import pytest
 
 from contextkeeper.cli import main
+from tiny_models import TINY_LLAMA as TINY
 
 SYMPTOMS = ["load", "long-prompt", "generation", "concurrent", "grows-over-time", "process-killed"]
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 64,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-}
 
 
 @pytest.mark.parametrize("symptom", SYMPTOMS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -14,21 +13,8 @@ pytest.importorskip("transformers")
 from contextkeeper.diagnose import ProfileReport, cache_bytes, load_model, plot_profile, profile  # noqa: E402
 from contextkeeper.diagnose.profile import find_jumps, fit_slope  # noqa: E402
 from contextkeeper.memory import ModelSpec  # noqa: E402
+from tiny_models import TINY_LLAMA, TINY_MISTRAL  # noqa: E402
 
-# Llama layout, 2 layers × 2 KV heads × head_dim 16 in float32: 2 × 2 × 2 × 16 × 4 = 512 bytes per token.
-TINY_LLAMA: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 64,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-}
-# Mistral with a sliding window on every layer: prefill keeps the whole prompt, decoding the window.
-TINY_MISTRAL: dict[str, Any] = {**TINY_LLAMA, "model_type": "mistral", "sliding_window": 8}
 LENGTHS = (16, 32, 64)
 
 

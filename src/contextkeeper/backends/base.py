@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper
 
-__all__ = ["Backend", "Reply", "Request", "register_wrapper", "wrap"]
+__all__ = ["Backend", "Reply", "Request", "register_wrapper", "reply_from", "usage_of", "wrap"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +39,36 @@ class Request:
     params: dict[str, Any]  # every other argument of the call, as the caller gave it
     stream: bool = False
     finish: Callable[[Reply], None] = field(default=lambda reply: None, repr=False)  # streams call it at the end
+
+
+def _get(obj: Any, name: str) -> Any:
+    """A field of an SDK object or of its plain-dict form."""
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+def usage_of(obj: Any) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` from a response's or stream chunk's ``usage`` (None where absent)."""
+    usage = _get(obj, "usage")
+    if usage is None:
+        return None, None
+    prompt, completion = _get(usage, "prompt_tokens"), _get(usage, "completion_tokens")
+    return (int(prompt) if prompt is not None else None, int(completion) if completion is not None else None)
+
+
+def reply_from(result: Any) -> Reply:
+    """A :class:`Reply` from text, a message dict, or an OpenAI-shaped response (SDK object or dict)."""
+    if isinstance(result, str):
+        return Reply(result=result, message={"role": "assistant", "content": result})
+    if isinstance(result, dict) and "role" in result:
+        return Reply(result=result, message=dict(result))
+    choices = _get(result, "choices")
+    message = None
+    if choices:
+        raw = _get(choices[0], "message")
+        dump = getattr(raw, "model_dump", None)
+        message = dict(dump(exclude_none=True)) if callable(dump) else dict(raw) if raw is not None else None
+    prompt, completion = usage_of(result)
+    return Reply(result=result, message=message, prompt_tokens=prompt, completion_tokens=completion)
 
 
 class Backend(Protocol):

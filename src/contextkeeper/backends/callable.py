@@ -12,40 +12,13 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .base import Reply, Request, register_wrapper
+from .base import Reply, Request, register_wrapper, reply_from
 from .calls import Call, Options, call_async, call_sync, calls_of
 
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper
 
-__all__ = ["CallableBackend", "reply_from"]
-
-
-def reply_from(result: Any) -> Reply:
-    """A :class:`Reply` from what a callable returned: text, a message dict, or an OpenAI-shaped response."""
-    if isinstance(result, str):
-        return Reply(result=result, message={"role": "assistant", "content": result})
-    if isinstance(result, dict) and "role" in result:
-        return Reply(result=result, message=dict(result))
-    choices = result.get("choices") if isinstance(result, dict) else getattr(result, "choices", None)
-    usage = result.get("usage") if isinstance(result, dict) else getattr(result, "usage", None)
-    message = None
-    if choices:
-        first = choices[0]
-        raw = first.get("message") if isinstance(first, dict) else getattr(first, "message", None)
-        dump = getattr(raw, "model_dump", None)
-        message = dict(dump(exclude_none=True)) if callable(dump) else dict(raw) if raw is not None else None
-
-    def field(name: str) -> int | None:
-        value = usage.get(name) if isinstance(usage, dict) else getattr(usage, name, None)
-        return int(value) if value is not None else None
-
-    return Reply(
-        result=result,
-        message=message,
-        prompt_tokens=field("prompt_tokens"),
-        completion_tokens=field("completion_tokens"),
-    )
+__all__ = ["CallableBackend"]
 
 
 class CallableBackend:

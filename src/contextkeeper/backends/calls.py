@@ -136,6 +136,7 @@ class Call:
         self.cap: int | None = None  # prompt cap after an out-of-memory error
         self.attempts = 0
         self.recoveries: list[str] = []
+        self.transport_failures: list[Failure] = []  # what the backoff reads: how many, and any Retry-After
         self.fit: Fit | None = None
         self.ticket: Ticket | None = None
         self.admission = "unlimited"
@@ -287,6 +288,7 @@ class Call:
                 attempts=self.attempts,
             )
         self.recoveries.append(f"transport error: {failure.message[:120]}")
+        self.transport_failures.append(failure)
         return TransportError(
             f"the call failed after {self.attempts} attempt(s): {failure.message[:300]}. Fix: check the server, "
             "raise attempts=... or the client's timeout",
@@ -296,13 +298,13 @@ class Call:
 
     def wait(self, exc: BaseException | None) -> float:
         """Seconds before the next attempt: only transport errors wait."""
-        if not isinstance(exc, TransportError):
+        if not isinstance(exc, TransportError) or not self.transport_failures:
             return 0.0
-        failure = classify(exc.__cause__) if exc.__cause__ is not None else None
-        if failure is not None and failure.retry_after is not None:
+        failure = self.transport_failures[-1]
+        if failure.retry_after is not None:
             return min(failure.retry_after, self.options.max_backoff)
-        transport_tries = sum(1 for r in self.recoveries if r.startswith("transport"))
-        return float(min(self.options.backoff * 2 ** max(0, transport_tries - 1), self.options.max_backoff))
+        tries = len(self.transport_failures)
+        return float(min(self.options.backoff * 2 ** max(0, tries - 1), self.options.max_backoff))
 
     def done(self, reply: Reply) -> Any:
         if not reply.pending:

@@ -12,25 +12,13 @@ import inspect
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .base import Reply, Request, register_wrapper
+from .base import Reply, Request, register_wrapper, reply_from, usage_of
 from .calls import Call, Options, call_async, call_sync, calls_of
 
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper
 
 __all__ = ["OpenAIBackend"]
-
-
-def _dump(obj: Any) -> dict[str, Any]:
-    dump = getattr(obj, "model_dump", None)
-    return dict(dump(exclude_none=True)) if callable(dump) else dict(obj)
-
-
-def _usage(obj: Any) -> tuple[int | None, int | None]:
-    usage = getattr(obj, "usage", None)
-    if usage is None:
-        return None, None
-    return getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None)
 
 
 class _Collector:
@@ -45,7 +33,7 @@ class _Collector:
         self.finished = False
 
     def add(self, chunk: Any) -> None:
-        prompt, completion = _usage(chunk)
+        prompt, completion = usage_of(chunk)
         if prompt is not None:
             self.prompt_tokens, self.completion_tokens = prompt, completion
         for choice in getattr(chunk, "choices", None) or ():
@@ -163,10 +151,7 @@ class OpenAIBackend:
     def _reply(result: Any, request: Request, stream: type[_Stream] | type[_AsyncStream]) -> Reply:
         if request.stream:
             return Reply(result=stream(result, _Collector(request)), pending=True)
-        choices = getattr(result, "choices", None) or ()
-        message = _dump(choices[0].message) if choices else None
-        prompt, completion = _usage(result)
-        return Reply(result=result, message=message, prompt_tokens=prompt, completion_tokens=completion)
+        return reply_from(result)
 
 
 class _Completions:

@@ -12,11 +12,11 @@ max_new_tokens=...) -> [{"generated_text": [*messages, reply]}]``.
 
 from __future__ import annotations
 
-import contextlib
-import json
 from typing import TYPE_CHECKING, Any
 
 from ..diagnose.profile import cache_bytes
+from ..messages import server_view
+from ..tokens.hf import detect_content_format
 from .base import Reply, Request, register_wrapper
 from .calls import Call, Options, call_sync, calls_of
 
@@ -28,29 +28,6 @@ __all__ = ["TransformersBackend"]
 _GENERATE_ONLY = ("tools", "max_tokens", "messages")
 
 
-def _server_view(messages: list[Any]) -> list[dict[str, Any]]:
-    """The messages as an OpenAI-compatible server hands them to the template: JSON-string tool arguments
-    parsed into objects, empty tool_calls dropped (the keeper counts exactly this view)."""
-    from ..messages import Conversation
-
-    out = []
-    for message in Conversation.from_messages(messages).to_dicts():
-        calls = message.get("tool_calls")
-        if calls:
-            fixed = []
-            for call in calls:
-                function = dict(call.get("function", {}))
-                if isinstance(function.get("arguments"), str):
-                    with contextlib.suppress(ValueError):  # not JSON: the template gets the text as is
-                        function["arguments"] = json.loads(function["arguments"])
-                fixed.append({**call, "function": function})
-            message = {**message, "tool_calls": fixed}
-        elif "tool_calls" in message:
-            message = {k: v for k, v in message.items() if k != "tool_calls"}
-        out.append(message)
-    return out
-
-
 class TransformersBackend:
     """Generates with a local model; measures the real cache."""
 
@@ -59,6 +36,8 @@ class TransformersBackend:
         self.tokenizer = tokenizer
         self.pipeline = pipeline
         self.server = f"transformers:{getattr(model, 'name_or_path', '') or type(model).__name__}"
+        template = getattr(tokenizer, "chat_template", None)
+        self.content_format = detect_content_format(template) if isinstance(template, str) else "string"
 
     def complete(self, request: Request) -> Reply:
         import torch
@@ -67,7 +46,7 @@ class TransformersBackend:
         if request.max_tokens is not None:
             params["max_new_tokens"] = request.max_tokens
         inputs = self.tokenizer.apply_chat_template(
-            _server_view(request.messages),
+            server_view(request.messages, content_format=self.content_format)[0],
             tools=request.tools,
             add_generation_prompt=True,
             return_dict=True,
