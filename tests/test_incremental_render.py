@@ -177,3 +177,68 @@ def test_a_guard_the_template_cannot_evaluate_renders_whole() -> None:
     fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source, template_kwargs={"limit": 0})
     whole = ck.HFChatTemplateCounter(tokenizer, chat_template=source, template_kwargs={"limit": 0}, incremental=False)
     assert fast.render(chat) == whole.render(chat) == "a!b"
+
+
+SCAN = (
+    "{%- set ns = namespace(open=true, last=messages|length - 1) %}"
+    "{%- for m in messages[::-1] %}{%- set i = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.open and m.role == 'user' and not m.content.startswith('<r>') %}"
+    "{%- set ns.open = false %}{%- set ns.last = i %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{{ m.role }}{% if loop.index0 > ns.last %}*{% endif %}:{{ m.content }};{% endfor %}"
+    "[{{ ns.last }}|{{ ns.open }}]"
+)
+
+
+def test_a_backward_scan_stops_once_its_flag_is_down() -> None:
+    # Qwen3 finds the last real user query by scanning every message backwards; once found, the rest of the scan
+    # does nothing. The head stops there (a ``break`` after the flag write) and renders the same text.
+    from jinja2 import nodes
+
+    from contextkeeper.tokens._incremental import _stop_scans
+
+    env = compile_template(SCAN).environment
+    body = env.parse(SCAN).body
+    stopped = _stop_scans(body[:2])
+    assert any(isinstance(n, nodes.Break) for n in stopped[1].find_all(nodes.Break))
+    qwen3 = template("Qwen-Qwen3-0.6B")
+    qwen3_head = _stop_scans(env.parse(qwen3).body)
+    assert any(True for node in qwen3_head for _ in node.find_all(nodes.Break))
+    tokenizer = hf_tokenizer("qwen2")
+    fast = ck.HFChatTemplateCounter(tokenizer, chat_template=SCAN)
+    whole = ck.HFChatTemplateCounter(tokenizer, chat_template=SCAN, incremental=False)
+    chats: list[list[dict[str, Any]]] = [
+        [{"role": "assistant", "content": "no user at all"}],
+        [{"role": "user", "content": "<r>only tool-like users</r>"}, {"role": "assistant", "content": "a"}],
+    ]
+    chat: list[dict[str, Any]] = []
+    for step in range(8):
+        chat = [*chat, {"role": "user", "content": f"u{step}" if step % 3 else "<r>x</r>"}]
+        chat = [*chat, {"role": "assistant", "content": f"a{step}"}]
+        chats.append(chat)
+    for messages in chats:
+        assert fast.render(messages) == whole.render(messages)
+
+
+def test_scans_of_other_shapes_run_to_the_end() -> None:
+    from jinja2 import nodes
+
+    from contextkeeper.tokens._incremental import _stop_scans
+
+    shapes = [
+        # the flag is raised again inside the loop
+        "{% set ns = namespace(f=true) %}{% for m in messages %}{% if ns.f and m.x %}{% set ns.f = false %}"
+        "{% endif %}{% set ns.f = true %}{% endfor %}",
+        # the flag is not the first operand: later items are still tested
+        "{% set ns = namespace(f=true) %}{% for m in messages %}{% if m.x and ns.f %}{% set ns.f = false %}"
+        "{% endif %}{% endfor %}",
+        # the loop writes output besides the flag
+        "{% set ns = namespace(f=true) %}{% for m in messages %}{{ m.content }}{% if ns.f %}{% set ns.f = false %}"
+        "{% endif %}{% endfor %}",
+        # a loop variable set from an expression that may fail on a later item
+        "{% set ns = namespace(f=true) %}{% for m in messages %}{% set n = m.content + 1 %}{% if ns.f %}"
+        "{% set ns.f = false %}{% endif %}{% endfor %}",
+    ]
+    for source in shapes:
+        env = compile_template(source).environment
+        body = _stop_scans(env.parse(source).body)
+        assert not any(True for node in body for _ in node.find_all(nodes.Break)), source

@@ -348,3 +348,80 @@ def test_an_earlier_message_edited_in_place_is_counted_as_it_is_now() -> None:
     fit = k.fit(messages, tools=TOOLS, max_tokens=256)
     check_invariants(k, messages, fit, TOOLS, 256)
     assert messages[target] in fit.messages
+
+
+def test_the_window_leaves_the_slack_free_and_stops_within_the_tolerance() -> None:
+    # When units must go the kept prompt ends at most at limit * (1 - slack), and either within ``tolerance`` of
+    # that mark or as the longest suffix under it (one more user turn would cross the mark).
+    from contextkeeper.strategies.sliding_window import SlidingWindow
+
+    window = SlidingWindow()
+    for turns, context in ((30, 4096), (60, 6000), (90, 3000)):
+        k = keeper(context)
+        messages = agent_chat(turns)
+        fit = k.fit(messages, tools=TOOLS, max_tokens=512)
+        check_invariants(k, messages, fit, TOOLS, 512)
+        assert [a.strategy for a in fit.report.actions] == ["sliding_window"]
+        budget = k.limit - 512
+        mark = int(budget * (1 - window.slack))
+        assert fit.tokens <= mark
+        if fit.tokens < mark - int(budget * window.tolerance):
+            dropped = messages.index(fit.messages[1])
+            previous_user = max(i for i in range(1, dropped) if messages[i]["role"] == "user")
+            assert k.count([messages[0], *messages[previous_user:]], tools=TOOLS) > mark
+
+
+def test_the_report_counts_its_slots_when_read_and_survives_pickling() -> None:
+    import pickle
+
+    k = keeper(4096)
+    messages = agent_chat(30)
+    fit = k.fit(messages, tools=TOOLS, max_tokens=512)
+    report = fit.report
+    assert report._breakdown._value is None  # nothing counted the slots yet: no fit decision needs them
+    slots = report.slots
+    assert sum(v for s, v in slots.items() if s != "answer") == fit.tokens
+    assert (
+        report.history_after
+        == slots["history"]
+        == fit.tokens - slots["system"] - slots["tools"] - (slots["request"] + slots["template_overhead"])
+    )
+    data = report.to_dict()
+    assert list(data)[:8] == [
+        "limit", "limit_source", "max_tokens", "tokens", "tokens_before", "slots", "history_before", "history_after"
+    ]  # fmt: skip
+    assert data["slots"] == slots
+    copied = pickle.loads(pickle.dumps(report))
+    assert copied.slots == slots
+    assert copied.history_after == report.history_after
+    changed = report.with_slots(lambda s: {**s, "withheld": 7}, max_tokens=100)
+    assert changed.slots == {**slots, "withheld": 7}
+    assert changed.max_tokens == 100
+    assert report.slots == slots  # the original is unchanged
+
+
+@pytest.mark.parametrize(("name", "vocab"), [(QWEN, "qwen2"), ("meta-llama-Llama-3.3-70B-Instruct", "llama-bpe")])
+def test_the_render_bound_is_never_below_the_count(name: str, vocab: str) -> None:
+    counter = ck.HFChatTemplateCounter(hf_tokenizer(vocab), chat_template=template(name), name=name)
+    for messages in (agent_chat(3), agent_chat(12, result_words=400), plain_chat(5)):
+        for tools in (None, TOOLS):
+            bound = counter.bound(messages, tools=tools)
+            assert bound is not None
+            assert counter.count(messages, tools=tools) <= bound
+
+
+def test_state_chars_follow_a_history_that_shares_its_first_units() -> None:
+    from contextkeeper.messages import Message
+    from contextkeeper.strategies.base import FitState, Item
+
+    def unit(text: str) -> tuple[Item, ...]:
+        return (Item(Message.from_dict({"role": "user", "content": text})),)
+
+    units = [unit("x" * (i * 7 % 13 + 1)) for i in range(40)]
+    memory: dict[str, Any] = {}
+    system, request = unit("sys"), unit("req")
+    histories = [units[:10], units[:25], units[3:25], units[3:40], units[:5] + units[30:], units[:40]]
+    for history in histories:
+        state = FitState(system=system, history=tuple(history), request=request, limit=1, count=len, memory=memory)
+        expected = 3 + 3 + sum(len(u[0].message.content) for u in history)
+        assert state.chars() == expected

@@ -194,14 +194,18 @@ def test_threads_share_one_ledger_in_shrink_mode() -> None:
     keeper = ck.ContextKeeper("mistral:tekken", context_window=400, kv_capacity=capacity, admission="shrink")
     in_flight = 0
     most = 0
-    lock = threading.Lock()
+    lock = threading.Condition()
 
     def slow(messages: list[dict[str, Any]], max_tokens: int = 10) -> str:
         nonlocal in_flight, most
         with lock:
             in_flight += 1
             most = max(most, in_flight)
-        time.sleep(0.02)
+            lock.notify_all()
+            # Each call asks for 367 of the 900 tokens: the first calls wait (a second at most) until a third is
+            # in flight, which the ledger can only have admitted shrunk, so the test does not hang on timing.
+            lock.wait_for(lambda: most >= 3, timeout=1.0)
+        time.sleep(0.005)
         with lock:
             in_flight -= 1
         return "ok"

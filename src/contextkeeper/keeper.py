@@ -13,8 +13,9 @@ import bisect
 import copy
 import dataclasses
 import inspect
+import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -52,9 +53,6 @@ class FitReport:
     max_tokens: int
     tokens: int
     tokens_before: int | None  # None when history beyond the horizon was never read (counting it costs time)
-    slots: dict[str, int]
-    history_before: int | None
-    history_after: int
     messages_before: int
     messages_after: int
     unread: int  # messages beyond the horizon, dropped without being read
@@ -62,12 +60,77 @@ class FitReport:
     seconds: float
     policy: str
     notes: tuple[str, ...] = ()
+    # The slots and the history before and after: they need the never-trimmed parts counted on their own, which
+    # no fit decision needs, so they are counted when first read.
+    _breakdown: _Breakdown = field(repr=False, compare=False)
+
+    @property
+    def slots(self) -> dict[str, int]:
+        """Tokens per slot in prompt order (system, tools, history, request, template overhead, answer); the
+        slots before the answer sum to ``tokens``."""
+        return dict(self._breakdown.get()[0])
+
+    @property
+    def history_before(self) -> int | None:
+        """History tokens before the strategies (None when the history as read was never counted)."""
+        return self._breakdown.get()[1]
+
+    @property
+    def history_after(self) -> int:
+        """History tokens in the fitted prompt."""
+        return self._breakdown.get()[2]
+
+    def with_slots(self, change: Callable[[dict[str, int]], dict[str, int]], **fields: Any) -> FitReport:
+        """A copy with ``fields`` replaced and the slots passed through ``change`` (still counted when read)."""
+        return dataclasses.replace(self, _breakdown=self._breakdown.then(change), **fields)
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data: dict[str, Any] = {}
+        for item in dataclasses.fields(self):
+            if item.name == "_breakdown":
+                continue
+            data[item.name] = getattr(self, item.name)
+            if item.name == "tokens_before":
+                data.update(slots=self.slots, history_before=self.history_before, history_after=self.history_after)
         data["actions"] = [dataclasses.asdict(a) for a in self.actions]
         data["notes"] = list(self.notes)
         return data
+
+
+class _Breakdown:
+    """Computed once, on first read, by whichever thread reads first; pickles as its values."""
+
+    def __init__(self, compute: Callable[[], tuple[dict[str, int], int | None, int]]) -> None:
+        self._compute: Callable[[], tuple[dict[str, int], int | None, int]] | None = compute
+        self._value: tuple[dict[str, int], int | None, int] | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def known(cls, slots: dict[str, int], before: int | None, after: int) -> _Breakdown:
+        made = cls(lambda: (slots, before, after))
+        made.get()
+        return made
+
+    def get(self) -> tuple[dict[str, int], int | None, int]:
+        value = self._value
+        if value is None:
+            with self._lock:
+                if self._value is None:
+                    assert self._compute is not None
+                    self._value = self._compute()
+                    self._compute = None  # drops what the computation held (the keeper, the fit's units)
+                value = self._value
+        return value
+
+    def then(self, change: Callable[[dict[str, int]], dict[str, int]]) -> _Breakdown:
+        def compute() -> tuple[dict[str, int], int | None, int]:
+            slots, before, after = self.get()
+            return change(dict(slots)), before, after
+
+        return _Breakdown(compute)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Breakdown.known, self.get())
 
 
 @dataclass(frozen=True)
@@ -241,6 +304,8 @@ class ContextKeeper:
         # main counter's incremental state follows the long prompt from fit to fit.
         fork = getattr(self.counter, "fork", None)
         self._side: TokenCounter = fork() if callable(fork) else self.counter
+        # A report's slots are counted on the side counter when first read, perhaps while another fit runs.
+        self._side_lock = threading.RLock()
         self._session = _Session()
         self._previous: Conversation | None = None
         self.last_fit: Fit | None = None
@@ -315,14 +380,25 @@ class ContextKeeper:
         per_token = float(memory.get("horizon", self.policy.horizon))
         prompt_limit = self.limit - answer
         sticky = self._sticky(messages, sys_end, last_user)
-        for _ in range(6):
-            fit = self._fit_once(messages, roles, sys_end, last_user, answer, tool_list, per_token, started, sticky)
-            if sticky is not None or not fit.report.unread or not per_token or fit.tokens >= 0.9 * prompt_limit:
-                break
+
+        def further(tokens: int, unread: int) -> float | None:
+            """How far the next read goes (characters per token), or None when this read is the fit."""
+            if sticky is not None or not unread or not per_token or tokens >= 0.9 * prompt_limit:
+                return None
             # Read further back in proportion to what this read yielded after the strategies (older history is
             # assumed to shrink alike), a little beyond the budget so the window has whole turns to choose from
             # (between 1.25 and 4 times as far).
-            per_token *= min(4.0, max(1.25, 1.1 * prompt_limit / max(fit.tokens, 1)))
+            return per_token * min(4.0, max(1.25, 1.1 * prompt_limit / max(tokens, 1)))
+
+        for attempt in range(6):
+            result = self._fit_once(
+                messages, roles, sys_end, last_user, answer, tool_list, per_token, started, sticky,
+                further if attempt < 5 else None,
+            )  # fmt: skip
+            if isinstance(result, Fit):
+                fit = result
+                break
+            per_token = result
         if per_token:
             memory["horizon"] = per_token
         self._session.turn += 1
@@ -427,7 +503,10 @@ class ContextKeeper:
         per_token: float,
         started: float,
         sticky: _Sticky | None = None,
-    ) -> Fit:
+        further: Callable[[int, int], float | None] | None = None,
+    ) -> Fit | float:
+        """One read and fit; or, when ``further`` says this read was too short, how far the next read goes (the
+        checks and the report are left to the read that is kept)."""
         if sticky is not None:
             horizon = sticky.start
         else:
@@ -446,6 +525,8 @@ class ContextKeeper:
         def count(units: Sequence[Unit]) -> int:
             # Strategies and triggers ask for the same history more than once: count each distinct one once. The
             # entry holds the units, so their ids cannot be reused by other tuples while it lives.
+            if not units:
+                return base_tokens()
             key = tuple(map(id, units))
             entry = counted.get(key)
             if entry is not None and shared_prefix(entry[0], units) == len(units):
@@ -455,25 +536,36 @@ class ContextKeeper:
             return tokens
 
         def peek(units: Sequence[Unit]) -> int | None:
+            if not units:
+                return fixed[0]
             entry = counted.get(tuple(map(id, units)))
             return entry[1] if entry is not None and shared_prefix(entry[0], units) == len(units) else None
 
         prompt_limit = self.limit - answer
-        base = int(self._side.count(_assemble((system, request)), tools=tool_list))
         compacted: tuple[Action, ...] = ()
-        if base > prompt_limit:
+        # The never-trimmed parts: exactly counted only when a bound found without tokenizing does not already
+        # show they fit (the report counts them when it is read).
+        base = self._fixed_tokens(system, request, tool_list, prompt_limit)
+        if base is not None and base > prompt_limit:
             # An agent loop's current turn (one user message, many tool rounds) alone is over the budget: its
             # older rounds give way before the fit is refused; the user's message and the last round stay.
             turn = compact_turn(
                 request,
-                lambda r: int(self._side.count(_assemble((system, r)), tools=tool_list)) <= prompt_limit,
+                lambda r: self._side_count(_assemble((system, r)), tool_list) <= prompt_limit,
             )
             if turn is None:
                 raise self._too_large(base, answer, system, request, tool_list)
             request, action = turn
-            base = int(self._side.count(_assemble((system, request)), tools=tool_list))
+            base = None
             compacted = (action,)
-        counted[()] = ((), base)
+        fixed: list[int | None] = [base]
+
+        def base_tokens() -> int:
+            known = fixed[0]
+            if known is None:
+                known = fixed[0] = self._side_count(_assemble((system, request)), tool_list)
+            return known
+
         query = "\n".join(item.text() for item in request if item.role == "user")
         state = FitState(
             system=system,
@@ -497,8 +589,11 @@ class ContextKeeper:
             if trigger(state):
                 state = run_sync(strategy, state, self._backend())
         state = run_sync(SlidingWindow(), state)
-        final = [item for unit in (system, *state.history, request) for item in unit]
         tokens = state.tokens()
+        wider = further(tokens, horizon - sys_end) if further is not None else None
+        if wider is not None:
+            return wider
+        final = [item for unit in (system, *state.history, request) for item in unit]
         # Exact when some step counted the history as it came in; None when none had to (it was clearly over the
         # budget, and tokenizing text about to be dropped would only cost time).
         before = peek(initial) if horizon <= sys_end else None
@@ -508,17 +603,19 @@ class ContextKeeper:
             messages, sys_end, state.history, last_user, system=system, conversation=conversation, horizon=horizon
         )
         out = self._caller_format(final, conversation, sys_end, horizon, messages)
-        slots = self._slots(system, request, tool_list, base, tokens, answer)
-        history_after = tokens - base
+
+        def breakdown() -> tuple[dict[str, int], int | None, int]:
+            fixed_tokens = base_tokens()
+            with self._side_lock:
+                slots = self._slots(system, request, tool_list, fixed_tokens, tokens, answer)
+            return slots, (before - fixed_tokens) if before is not None else None, tokens - fixed_tokens
+
         report = FitReport(
             limit=self.limit,
             limit_source=self.limit_source,
             max_tokens=answer,
             tokens=tokens,
             tokens_before=before,
-            slots=slots,
-            history_before=(before - base) if before is not None else None,
-            history_after=history_after,
             messages_before=len(messages),
             messages_after=len(out),
             unread=horizon - sys_end,
@@ -528,8 +625,24 @@ class ContextKeeper:
             notes=(f"{horizon - sys_end} older message(s) beyond the horizon were dropped unread",)
             if horizon > sys_end
             else (),
+            _breakdown=_Breakdown(breakdown),
         )
         return Fit(messages=out, tokens=tokens, report=report)
+
+    def _side_count(self, messages: Conversation, tools: list[Any] | None) -> int:
+        with self._side_lock:
+            return int(self._side.count(messages, tools=tools))
+
+    def _fixed_tokens(self, system: Unit, request: Unit, tools: list[Any] | None, prompt_limit: int) -> int | None:
+        """The exact tokens of the system prompt, the request and the tools, or None when an upper bound found
+        without tokenizing (the rendered prompt's UTF-8 length, for byte-level BPE) already shows they fit."""
+        fixed = _assemble((system, request))
+        with self._side_lock:
+            bound = getattr(self._side, "bound", None)
+            most = bound(fixed, tools=tools) if callable(bound) else None
+            if most is not None and most <= prompt_limit:
+                return None
+            return int(self._side.count(fixed, tools=tools))
 
     def _remember(
         self,

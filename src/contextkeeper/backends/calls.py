@@ -150,9 +150,13 @@ class Call:
             fit = self.keeper.fit(self.messages, tools=self.tools, max_tokens=self.answer + withheld)
         report = fit.report
         if withheld:
-            slots = {**report.slots, "answer": self.answer, "withheld": withheld}
+            answer = self.answer
             why = f"{withheld:,} tokens withheld below the limit ({', '.join(self._withheld_reasons())})"
-            report = dataclasses.replace(report, max_tokens=self.answer, slots=slots, notes=(*report.notes, why))
+            report = report.with_slots(
+                lambda slots: {**slots, "answer": answer, "withheld": withheld},
+                max_tokens=answer,
+                notes=(*report.notes, why),
+            )
         fit = Fit(messages=fit.messages, tokens=fit.tokens, report=report)
         self.keeper.last_fit = fit
         return fit

@@ -13,12 +13,14 @@ caller as their own objects.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .._exceptions import ConfigurationError
 from ..messages import Message
+from ..tokens._incremental import shared_prefix
 
 __all__ = [
     "STRATEGIES",
@@ -154,9 +156,17 @@ class FitState:
         if known is not None and known[0] is self.history:
             return int(known[1])
         # Per unit, by identity (units are immutable tuples, and a growing chat keeps its old ones): a fit costs
-        # the units it has not seen. The entry holds the unit, so its id is not reused while it is cached.
-        total = sum(self.unit_chars((self.system, *self.history, self.request)))
-        self.memory["_chars"] = (self.history, total)
+        # the units it has not seen. The history's running totals are kept too, so a history that shares its first
+        # units with the last one counted (the very same tuples) is summed from where they part.
+        history = self.history
+        shared, running = 0, [0]
+        if known is not None:
+            shared = shared_prefix(history, known[0])
+            running = known[2][: shared + 1]
+        running.extend(itertools.accumulate(self.unit_chars(history[shared:]), initial=running[-1]))
+        del running[shared + 1]  # ``initial`` repeats the last kept total
+        total = running[-1] + sum(self.unit_chars((self.system, self.request)))
+        self.memory["_chars"] = (history, total, running)
         return total
 
     def unit_chars(self, units: Sequence[Unit]) -> list[int]:

@@ -2,97 +2,88 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
-from .base import Action, FitState, Unit, register
-
-
-def _anchor(unit: Unit) -> int | None:
-    """The caller's index of the unit's first unchanged message (None for a unit made by a strategy)."""
-    return next((item.origin for item in unit if item.origin is not None), None)
-
-
-def _estimate(state: FitState, history: tuple[Unit, ...], starts: list[int], target: int) -> int:
-    """The index in ``starts`` where the kept history would just fit ``target``, estimated from characters at the
-    rate the whole history was counted at (only a first guess: the search counts exactly from there)."""
-    base = state.peek(()) if state.peek is not None else None
-    sizes = state.unit_chars(history)
-    total_chars = sum(sizes)
-    if base is None or not total_chars:
-        return (len(starts) - 1) // 2
-    rate = (state.tokens() - base) / total_chars
-    suffix = total_chars
-    position = 0
-    for k, start in enumerate(starts[:-1]):
-        suffix -= sum(sizes[position:start])
-        position = start
-        if base + rate * suffix <= target:
-            return k
-    return len(starts) - 1
+from .base import Action, FitState, register
 
 
 @register("sliding_window")
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindow:
-    """Keep the longest suffix of whole units that fits, starting on a user turn (or empty history).
+    """Keep a suffix of whole units that fits, starting on a user turn (or empty history).
 
-    Exact: every candidate is counted through the template. The search starts where the previous fit of the
-    same keeper started (a growing chat moves that point forward a little), so a turn costs two or three counts.
-    ``slack``: when units must go, the kept history leaves this share of the budget free (0: the longest suffix).
+    When units must go, the kept prompt leaves ``slack`` of the budget free, so the next turns only append (the
+    prompt's prefix, and a server's prefix cache, stay valid for a while). The kept suffix is the longest one
+    under that mark, or any one that ends within ``tolerance`` of the budget below it: the search may stop as
+    soon as a count lands there. Exact: every candidate is counted through the template. Candidates are chosen
+    by interpolating the counts already made over each unit's characters, so a fit usually costs two counts.
     """
 
     slack: float = 0.05  # when units must go, leave this share of the budget free
+    tolerance: float = 0.01  # a suffix this share of the budget below the mark is as good as the longest
 
     def apply(self, state: FitState) -> FitState:
         history = state.history
-        if state.tokens() <= state.limit:
+        total = state.tokens()
+        if total <= state.limit:
             return state
         starts = [i for i, unit in enumerate(history) if unit and unit[0].role == "user"] + [len(history)]
-        # Dropping a little more than needed means the next turns only append: the prompt's prefix stays the same
-        # for a while (the counter and a server's prefix cache reuse it) instead of shifting on every turn.
+        last = len(starts) - 1  # the answer lies in [0, last]; ``last`` (empty history) always fits the limit
+        base = state.tokens(())
         target = int(state.limit * (1 - self.slack))
-        if state.tokens(history[starts[-1] :]) > target:
+        if base > target:
             target = state.limit
+        floor = target - int(state.limit * self.tolerance)
+        # Characters of the history kept from each candidate start, for interpolating between exact counts.
+        sizes = state.unit_chars(history)
+        cumulative = [0, *itertools.accumulate(sizes)]
+        kept_chars = [cumulative[-1] - cumulative[s] for s in starts]
+        counts = {last: base}
+        if starts[0] == 0:
+            counts[0] = total
 
-        def fits(k: int) -> bool:
-            return state.tokens(history[starts[k] :]) <= target
+        def tokens(k: int) -> int:
+            if k not in counts:
+                counts[k] = state.tokens(history[starts[k] :])
+            return counts[k]
 
-        memory = state.memory.setdefault("sliding_window", {})
-        hint = memory.get("start")
-        last = len(starts) - 1  # the answer lies in [0, last]; ``last`` always fits (empty history)
-        if hint is not None:
-            guess = next(
-                (k for k, s in enumerate(starts[:-1]) if (a := _anchor(history[s])) is not None and a >= hint), last
-            )
-        else:
-            guess = _estimate(state, history, starts, target)
-        # Gallop from the guess towards the answer, then bisect the bracket: a good guess costs two counts.
-        if fits(guess):
-            low, high, step = 0, guess, 1
-            while high > 0:
-                probe = max(0, high - step)
-                if not fits(probe):
-                    low = probe + 1
-                    break
-                high, step = probe, step * 2
-        else:
-            low, high, step = guess + 1, last, 1
-            while low < high:
-                probe = min(high, low + step - 1)
-                if fits(probe):
-                    high = probe
-                    break
-                low, step = probe + 1, step * 2
-        while low < high:
-            middle = (low + high) // 2
-            if fits(middle):
-                high = middle
+        low = 0 if 0 in counts else -1  # the largest candidate known to be over ``target`` (-1: none known)
+        high = last  # the smallest candidate known to fit ``target``
+        rounds = 0
+        while high - low > 1:
+            probe = self._probe(low, high, counts, kept_chars, target, floor, rounds)
+            rounds += 1
+            if tokens(probe) <= target:
+                high = probe
+                if counts[probe] >= floor:
+                    break  # close enough below the mark: as good as the longest
             else:
-                low = middle + 1
-        start = starts[low]
+                low = probe
+        start = starts[high]
         kept = history[start:]
-        memory["start"] = _anchor(kept[0]) if kept else None
-        saved = state.tokens() - state.tokens(kept)
+        saved = total - counts[high]
         detail = f"dropped the {start} oldest unit(s)"
         action = Action(strategy="sliding_window", detail=detail, saved=saved, units=start)
         return state.with_history(kept, action)
+
+    @staticmethod
+    def _probe(
+        low: int, high: int, counts: dict[int, int], kept_chars: list[int], target: int, floor: int, rounds: int
+    ) -> int:
+        """The next candidate strictly between ``low`` and ``high``: where the counts on either side, spread
+        over the characters in between, reach the middle of the band; every third round a plain bisection,
+        so a poor interpolation cannot make the search slower than bisecting."""
+        middle = (low + high) // 2
+        if low < 0 or rounds % 3 == 2:
+            return middle
+        chars_low, chars_high = kept_chars[low], kept_chars[high]
+        tokens_low, tokens_high = counts[low], counts[high]
+        if chars_low <= chars_high or tokens_low <= tokens_high:
+            return middle
+        aim = (target + floor) / 2
+        # Kept characters where the line through the two known counts reaches ``aim``.
+        want = chars_high + (aim - tokens_high) * (chars_low - chars_high) / (tokens_low - tokens_high)
+        # The first candidate keeping at most ``want`` characters (kept_chars falls as k grows).
+        probe = next((k for k in range(low + 1, high) if kept_chars[k] <= want), high - 1)
+        return min(max(probe, low + 1), high - 1)

@@ -233,6 +233,103 @@ def _body_reach(body: nodes.Node, parents: dict[int, nodes.Node]) -> int | None:
     return reach
 
 
+def _operands(test: nodes.Node) -> list[nodes.Node]:
+    """The operands of a chain of ``and``, left to right."""
+    if isinstance(test, nodes.And):
+        return [*_operands(test.left), *_operands(test.right)]
+    return [test]
+
+
+def _quiet(expr: nodes.Node, sequence: str | None) -> bool:
+    """Whether ``expr`` cannot fail or act: constants, ``loop`` positions, the scanned list's length, arithmetic."""
+    if isinstance(expr, nodes.Const):
+        return True
+    if isinstance(expr, nodes.Getattr):
+        return (
+            isinstance(expr.node, nodes.Name) and expr.node.name == "loop" and expr.attr in ("index", "index0", "first")
+        )
+    if isinstance(expr, nodes.Filter):
+        return (
+            expr.name == "length"
+            and isinstance(expr.node, nodes.Name)
+            and expr.node.name == sequence
+            and not expr.args
+            and not expr.kwargs
+        )
+    if isinstance(expr, (nodes.Add, nodes.Sub, nodes.Mul)):
+        return _quiet(expr.left, sequence) and _quiet(expr.right, sequence)
+    return False
+
+
+def _stop_scans(body: list[nodes.Node]) -> list[nodes.Node]:
+    """``body`` with a ``{% break %}`` after the flag write of each loop that only scans until a flag goes down.
+
+    Templates find "the last user query" by scanning the messages backwards: ``{% for m in messages[::-1] %}
+    {% set i = ... %}{% if ns.flag and <test> %}{% set ns.flag = false %}{% set ns.i = i %}{% endif %}
+    {% endfor %}`` (Qwen3 and its descendants). Once ``ns.flag`` is false every later iteration only sets loop
+    variables nobody reads and skips the ``if`` (the flag comes first in its ``and`` and nothing in the loop sets
+    it again), so stopping there renders the same text and leaves the same namespace: a long conversation is no
+    longer scanned to its first message on every render. Loops of any other shape are left as they are."""
+    out = []
+    for node in body:
+        if isinstance(node, nodes.For):
+            stopped = _stopped_scan(node)
+            if stopped is not None:
+                node = stopped
+        out.append(node)
+    return out
+
+
+def _stopped_scan(loop: nodes.For) -> nodes.For | None:
+    if loop.test is not None or loop.else_ or loop.recursive:
+        return None
+    sequence = loop.iter.node if isinstance(loop.iter, nodes.Getitem) else loop.iter
+    sequence_name = sequence.name if isinstance(sequence, nodes.Name) else None
+    ifs = [n for n in loop.body if isinstance(n, nodes.If)]
+    if len(ifs) != 1 or ifs[0].elif_ or ifs[0].else_:
+        return None
+    guard = ifs[0]
+    for node in loop.body:
+        if node is guard:
+            continue
+        # Besides the ``if``: only loop-local variables set from expressions that cannot fail.
+        if not (
+            isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name) and _quiet(node.node, sequence_name)
+        ):
+            return None
+    flag = _operands(guard.test)[0]
+    if not (isinstance(flag, nodes.Getattr) and isinstance(flag.node, nodes.Name)):
+        return None
+    space, attribute = flag.node.name, flag.attr
+    lowered = [
+        n
+        for n in guard.body
+        if isinstance(n, nodes.Assign)
+        and isinstance(n.target, nodes.NSRef)
+        and (n.target.name, n.target.attr) == (space, attribute)
+        and isinstance(n.node, nodes.Const)
+        and not n.node.value
+    ]
+    writes = [
+        n
+        for n in _walk(loop)
+        if isinstance(n, (nodes.Assign, nodes.AssignBlock))
+        and isinstance(n.target, nodes.NSRef)
+        and (n.target.name, n.target.attr) == (space, attribute)
+    ]
+    rebinds = any(isinstance(n, nodes.Name) and n.name == space and n.ctx in ("store", "param") for n in _walk(loop))
+    if len(lowered) != 1 or len(writes) != 1 or rebinds:
+        return None
+    if any(isinstance(n, (nodes.For, nodes.Break, nodes.Continue, nodes.Macro, nodes.CallBlock)) for n in _walk(guard)):
+        return None
+    stopped = copy.copy(loop)
+    stopped.body = [n for n in loop.body if n is not guard]
+    stopped_guard = copy.copy(guard)
+    stopped_guard.body = [*guard.body, nodes.Break(lineno=guard.lineno)]
+    stopped.body.insert(loop.body.index(guard), stopped_guard)
+    return stopped
+
+
 def split_template(template: Template, source: str) -> SplitTemplate | None:
     """Cut ``source`` at its message loop when the loop body provably depends only on its own window."""
     env = template.environment
@@ -252,7 +349,7 @@ def split_template(template: Template, source: str) -> SplitTemplate | None:
     assert isinstance(loop, nodes.For)
     if loop.test is not None or loop.else_ or loop.recursive or not isinstance(loop.target, nodes.Name):
         return None
-    head_nodes, tail_nodes = ast.body[:position], ast.body[position + 1 :]
+    head_nodes, tail_nodes = _stop_scans(ast.body[:position]), ast.body[position + 1 :]
     body_root = nodes.Template(list(loop.body), lineno=loop.lineno)
     head_root = nodes.Template(list(head_nodes), lineno=1)
     tail_root = nodes.Template(list(tail_nodes), lineno=1)

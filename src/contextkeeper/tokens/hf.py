@@ -193,6 +193,21 @@ class HFChatTemplateCounter:
             notes=tuple(notes),
         )
 
+    def bound(
+        self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
+    ) -> int | None:
+        """An upper bound on :meth:`count` found by rendering alone, without tokenizing: the prompt's UTF-8
+        length, for tokenizers that make at most one token per byte (None for the others)."""
+        if self._pieces is None:
+            return None
+        conversation = self._conversation(messages)
+        plain, media = self._view(conversation)
+        text, _ = self._render(plain, tools=self._tool_list(tools), add_generation_prompt=add_generation_prompt)
+        most = self._pieces.bound(text)
+        if most is None:
+            return None
+        return most + sum(self.media_cost.for_part(str(part.type)) for _, part in media)
+
     # -- pieces ----------------------------------------------------------------------------------------------
     def freeze_tools(self, tools: ToolsLike) -> list[dict[str, Any]] | None:
         """The counter's own copy of ``tools``, which every counter of this class takes as is: a caller that
