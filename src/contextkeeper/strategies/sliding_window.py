@@ -72,10 +72,10 @@ class SlidingWindow:
         low: int, high: int, counts: dict[int, int], kept_chars: list[int], target: int, floor: int, rounds: int
     ) -> int:
         """The next candidate strictly between ``low`` and ``high``: where the counts on either side, spread
-        over the characters in between, reach the middle of the band; every third round a plain bisection,
+        over the characters in between, reach the middle of the band; every fourth round a plain bisection,
         so a poor interpolation cannot make the search slower than bisecting."""
         middle = (low + high) // 2
-        if low < 0 or rounds % 3 == 2:
+        if low < 0 or rounds % 4 == 3:
             return middle
         chars_low, chars_high = kept_chars[low], kept_chars[high]
         tokens_low, tokens_high = counts[low], counts[high]
