@@ -658,13 +658,25 @@ class ContextKeeper:
         """Keep what the next fit re-applies first: the window start and each rewrite by its source."""
         memory = self._session.memory
         anchors = [item.origin for item in history[0] if item.origin is not None] if history else []
-        made_up = any(item.origin is None and item.source is None for unit in history for item in unit)
+        # A history that extends the previous one (the very same units first: a chat that grew) adds only its new
+        # units' rewrites to the previous ones.
+        previous: _Sticky | None = memory.get("_sticky")
+        shared = 0
+        rewrites: dict[int, tuple[Message, Message]] = {}
+        if previous is not None and previous.history:
+            shared = shared_prefix(history, previous.history)
+            if shared == len(previous.history):
+                rewrites = dict(previous.rewrites)
+            else:
+                shared = 0
+        added = history[shared:]
+        made_up = any(item.origin is None and item.source is None for unit in added for item in unit)
         if made_up or (history and not anchors):
             memory.pop("_sticky", None)  # a summary or other unit without a source: fit from scratch next time
             return
-        rewrites = {
-            id(item.source): (item.source, item.message) for unit in history for item in unit if item.source is not None
-        }
+        rewrites.update(
+            (id(item.source), (item.source, item.message)) for unit in added for item in unit if item.source is not None
+        )
         # No history kept: the window starts at this fit's request, which the next turn keeps as history.
         start = anchors[0] if anchors else request
         memory["_sticky"] = _Sticky(
