@@ -36,6 +36,13 @@ _DEFAULT_TOOLS = ("search", "retrieve", "retrieval", "lookup", "knowledge_base",
 _MAX_PROBES = 24  # exact counts spent searching for the smallest drop (a bisection over thousands of passages)
 
 
+@functools.lru_cache(maxsize=4096)
+def _tool_matches(folded: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a tool name (casefolded) matches any of ``patterns`` (case-insensitive): asked for every tool
+    result of every fit that runs this step, about a handful of names."""
+    return any(fnmatch.fnmatchcase(folded, pattern.casefold()) for pattern in patterns)
+
+
 @register("retrieval")
 @dataclass(frozen=True, kw_only=True)
 class Retrieval:
@@ -134,10 +141,7 @@ class Retrieval:
     # ------------------------------------------------------------------------------------------- parts
 
     def _matches(self, tool: str | None) -> bool:
-        if not tool:
-            return False
-        folded = tool.casefold()
-        return any(fnmatch.fnmatchcase(folded, pattern.casefold()) for pattern in self.tools)
+        return bool(tool) and _tool_matches(str(tool).casefold(), self.tools)
 
     def _targets(self, state: FitState) -> list[_Target]:
         """The splittable results of retrieval tools in the history, oldest first."""
