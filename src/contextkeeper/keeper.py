@@ -392,9 +392,17 @@ class ContextKeeper:
 
         for attempt in range(6):
             result = self._fit_once(
-                messages, roles, sys_end, last_user, answer, tool_list, per_token, started, sticky,
+                messages,
+                roles,
+                sys_end,
+                last_user,
+                answer,
+                tool_list,
+                per_token,
+                started,
+                sticky,
                 further if attempt < 5 else None,
-            )  # fmt: skip
+            )
             if isinstance(result, Fit):
                 fit = result
                 break
@@ -642,7 +650,7 @@ class ContextKeeper:
             most = bound(fixed, tools=tools) if callable(bound) else None
             if most is not None and most <= prompt_limit:
                 return None
-            return int(self._side.count(fixed, tools=tools))
+            return self._side_count(fixed, tools)
 
     def _remember(
         self,

@@ -163,8 +163,7 @@ class FitState:
         if known is not None:
             shared = shared_prefix(history, known[0])
             running = known[2][: shared + 1]
-        running.extend(itertools.accumulate(self.unit_chars(history[shared:]), initial=running[-1]))
-        del running[shared + 1]  # ``initial`` repeats the last kept total
+        running.extend(itertools.accumulate(self.unit_chars(history[shared:]), initial=running.pop()))
         total = running[-1] + sum(self.unit_chars((self.system, self.request)))
         self.memory["_chars"] = (history, total, running)
         return total

@@ -164,10 +164,7 @@ class HFChatTemplateCounter:
         self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
     ) -> Measurement:
         """Count ``messages`` and ``tools`` and say what the count is made of."""
-        conversation = self._conversation(messages)
-        plain, media = self._view(conversation)
-        tool_list = self._tool_list(tools)
-        text, lineage = self._render(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
+        text, lineage, media, tool_list = self._prompt(messages, tools, add_generation_prompt)
         notes: list[str] = []
         if tool_list and self.ignores_tools and not self._warned_tools:
             self._warned_tools = True
@@ -181,7 +178,7 @@ class HFChatTemplateCounter:
         if self.renders_date:
             notes.append("the chat template renders today's date; the count is exact for today")
         text_tokens = self.count_text(text, lineage=lineage)
-        media_tokens = sum(self.media_cost.for_part(str(part.type)) for _, part in media)
+        media_tokens = self.media_cost.for_parts(media)
         if media:
             notes.append(f"{len(media)} non-text part(s) priced at {media_tokens} tokens by {self.media_cost.source}")
         return Measurement(
@@ -200,13 +197,18 @@ class HFChatTemplateCounter:
         length, for tokenizers that make at most one token per byte (None for the others)."""
         if self._pieces is None:
             return None
-        conversation = self._conversation(messages)
-        plain, media = self._view(conversation)
-        text, _ = self._render(plain, tools=self._tool_list(tools), add_generation_prompt=add_generation_prompt)
+        text, _, media, _ = self._prompt(messages, tools, add_generation_prompt)
         most = self._pieces.bound(text)
-        if most is None:
-            return None
-        return most + sum(self.media_cost.for_part(str(part.type)) for _, part in media)
+        return None if most is None else most + self.media_cost.for_parts(media)
+
+    def _prompt(
+        self, messages: MessagesLike, tools: ToolsLike, add_generation_prompt: bool
+    ) -> tuple[str, tuple[Any, Any, int] | None, list[tuple[int, ContentPart]], list[dict[str, Any]] | None]:
+        """The rendered prompt text, its lineage, the non-text parts and the counter's copy of the tools."""
+        plain, media = self._view(self._conversation(messages))
+        tool_list = self._tool_list(tools)
+        text, lineage = self._render(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
+        return text, lineage, media, tool_list
 
     # -- pieces ----------------------------------------------------------------------------------------------
     def freeze_tools(self, tools: ToolsLike) -> list[dict[str, Any]] | None:
@@ -409,4 +411,4 @@ class HFChatTemplateCounter:
             chat_template=self.template_for(tools),
             **self.template_kwargs,
         )
-        return len(ids) + sum(self.media_cost.for_part(str(part.type)) for _, part in media)
+        return len(ids) + self.media_cost.for_parts(media)

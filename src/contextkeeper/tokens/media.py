@@ -9,9 +9,10 @@ depends on the processor and often on the media's resolution or duration.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 __all__ = ["KNOWN_MEDIA_RULES", "MediaCost", "media_cost_for"]
 
@@ -51,6 +52,10 @@ class MediaCost:
         modality = PART_MODALITY.get(part_type, "file")
         value: int = getattr(self, modality)
         return value
+
+    def for_parts(self, parts: Iterable[tuple[int, Any]]) -> int:
+        """Tokens for ``(message index, part)`` pairs, as a counter's view lists the non-text parts."""
+        return sum(self.for_part(str(part.type)) for _, part in parts)
 
 
 # Fixed per-image costs that the model families document (the image's own placeholder tokens; the template's

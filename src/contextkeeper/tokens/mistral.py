@@ -153,7 +153,7 @@ class MistralCounter:
                 f"mistral-common refused these messages for {self.name}: {str(exc).rstrip('.')}.{hint}",
                 template_message=str(exc),
             ) from exc
-        media_tokens = sum(self.media_cost.for_part(str(part.type)) for _, part in media)
+        media_tokens = self.media_cost.for_parts(media)
         notes = (f"{len(media)} non-text part(s) priced by {self.media_cost.source}",) if media else ()
         return Measurement(
             tokens=tokens + media_tokens,
