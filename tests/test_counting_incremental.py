@@ -181,6 +181,35 @@ def test_counts_resumed_from_a_shared_prefix_equal_whole_text_encoding(vocab: st
         assert pieces.count(text) == pieces.full(text)
 
 
+@pytest.mark.parametrize("vocab", ["qwen2", "llama-bpe", "phi-3", "llama-spm", "gemma-4"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_counts_summed_over_segments_equal_whole_text_encoding(vocab: str, data: st.DataObject) -> None:
+    """Segments cut anywhere: on a token, inside one (a segment ending in a token's first half), inside a piece;
+    several counts in a row reuse the per-segment cache."""
+    backend = hf_tokenizer(vocab).backend_tokenizer
+    specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.content][:50]
+    pieces = PieceCounter(backend)
+    token = st.sampled_from(specials)
+    half = token.map(lambda t: t[: max(1, len(t) // 2)])  # a token's beginning
+    rest = token.map(lambda t: t[max(1, len(t) // 2) :])
+    segment = st.lists(st.one_of(_text, token, half, rest), min_size=0, max_size=5).map("".join)
+    pool = data.draw(st.lists(segment, min_size=1, max_size=8))
+    for _ in range(3):
+        segments = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=10))
+        assert pieces.count_segments(segments) == pieces.full("".join(segments)), segments
+
+
+def test_a_segment_that_ends_inside_a_token_is_joined_with_the_next() -> None:
+    backend = hf_tokenizer("qwen2").backend_tokenizer
+    pieces = PieceCounter(backend)
+    segments = ["hello <|im_", "<|im_start|>x", "<|im_end|>\n", "<|im_start|>y"]
+    assert pieces.count_segments(segments) == pieces.full("".join(segments))
+    # "<|im_" + "end|>" is one added token across the border: counted whole, not as two segments.
+    segments = ["a<|im_", "end|>b"]
+    assert pieces.count_segments(segments) == pieces.full("".join(segments)) == pieces.full("a<|im_end|>b")
+
+
 def test_a_repeated_prompt_resumes_near_its_end() -> None:
     counter = ck.HFChatTemplateCounter(hf_tokenizer("qwen2"), chat_template=template("Qwen-Qwen2.5-7B-Instruct"))
     messages = _long_conversation(30)

@@ -87,6 +87,38 @@ def test_incremental_render_equals_whole_render(name: str) -> None:
     assert renderer.reused > 0  # outputs were really taken from the memo, not rendered again
 
 
+@pytest.mark.parametrize("name", SPLITTABLE)
+def test_runs_shared_at_either_end_are_reused_and_counts_stay_exact(name: str) -> None:
+    # A sliding window's candidates (the same newest messages behind a moving start), and a chat whose middle
+    # changed (a tool result rewritten): bodies are taken whole from the previous render at both ends.
+    tokenizer = hf_tokenizer("qwen2")
+    source = template(name)
+    fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name)
+    whole = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name, incremental=False)
+    shape = [m for m in CONVERSATIONS["tool_round"]() if m["role"] != "system"]
+    chat: list[dict[str, Any]] = []
+    for turn in range(6):
+        chat += [{**m, "content": f"{m.get('content') or ''} {turn}"} if m["role"] == "user" else m for m in shape]
+    system = [{"role": "system", "content": "Be brief."}]
+    starts = [i for i, m in enumerate(chat) if m["role"] == "user"]
+    variants = [system + chat[start:] for start in (*starts, *reversed(starts))]
+    middle = len(chat) // 2
+    variants.append(system + chat[:middle] + [{**m} for m in chat[middle : middle + 3]] + chat[middle + 3 :])
+    compared = 0
+    for messages in variants:
+        try:
+            expected = whole.render(messages)
+        except ck.ChatTemplateError:
+            continue
+        before = next((r.reused for r in fast._renderers.values() if r is not None), 0)
+        assert fast.render(messages) == expected, (name, len(messages))
+        assert fast.count(messages) == whole.count(messages) == whole.reference_count(messages)
+        after = next(r.reused for r in fast._renderers.values() if r is not None)
+        compared += 1
+        assert compared == 1 or after > before
+    assert compared > 1 or name not in ("Qwen-Qwen3-0.6B", "meta-llama-Llama-3.3-70B-Instruct")
+
+
 def test_a_first_message_that_reads_the_wrapped_around_neighbour() -> None:
     # messages[loop.index0 - 1] at index 0 is messages[-1], the list's last message, which changes as the
     # chat grows: the first body must not be reused when only the end of the list changed.

@@ -16,6 +16,7 @@ from assets import template, tokenizer_dir
 from conftest import hf_tokenizer
 from contextkeeper.keeper import ContextKeeper, RequestTooLarge
 from contextkeeper.policy import Policy, PolicyStep
+from contextkeeper.strategies import Foresight, build_strategy
 from conversations import TOOLS
 
 QWEN = "Qwen-Qwen2.5-7B-Instruct"
@@ -425,3 +426,47 @@ def test_state_chars_follow_a_history_that_shares_its_first_units() -> None:
         state = FitState(system=system, history=tuple(history), request=request, limit=1, count=len, memory=memory)
         expected = 3 + 3 + sum(len(u[0].message.content) for u in history)
         assert state.chars() == expected
+
+
+def test_the_horizon_reads_old_tool_results_at_their_cleared_size() -> None:
+    # A long agent chat whose old tool results the default pipeline clears: the keeper reads back as far as the
+    # cleared history fills the budget (one read), not as far as the raw text would.
+    messages = agent_chat(120, result_words=400)
+    context, answer = 6000, 500
+    counter = keeper(context).counter
+    aware = ContextKeeper(counter, context_window=context, policy="default")
+    blind = aware.fresh()
+    blind._foresight = []  # the same pipeline, asked nothing about what it will leave
+    reads: list[int] = []
+    for k in (aware, blind):
+        passes = 0
+        original = k._fit_once
+
+        def counting(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            nonlocal passes
+            passes += 1
+            return _original(*args, **kwargs)
+
+        k._fit_once = counting  # type: ignore[method-assign]
+        fit = k.fit(messages, tools=TOOLS, max_tokens=answer)
+        check_invariants(k, messages, fit, TOOLS, answer)
+        reads.append(passes)
+        if k is aware:
+            aware_fit = fit
+    assert reads[0] == 1 < reads[1]  # blind: a short first read, then a second one
+    assert aware_fit.tokens >= 0.9 * (context - answer)
+
+
+def test_strategies_say_what_they_leave_of_a_message() -> None:
+    prune = build_strategy("prune_tool_results", {"keep_last": 2})
+    truncate = build_strategy("truncate", {"max_tokens": 100})
+    assert isinstance(prune, Foresight)
+    assert isinstance(truncate, Foresight)
+    assert prune.kept_chars("tool", 5000, newer_results=2) < 100  # cleared: its placeholder
+    assert prune.kept_chars("tool", 5000, newer_results=1) == 5000  # among the newest two
+    assert prune.kept_chars("assistant", 5000, newer_results=9) == 5000
+    excluding = build_strategy("prune_tool_results", {"exclude_tools": ["memory"]})
+    assert excluding.kept_chars("tool", 5000, newer_results=9) == 5000  # it cannot tell which tool it was
+    assert truncate.kept_chars("tool", 5000, newer_results=0) == 400
+    assert truncate.kept_chars("assistant", 5000, newer_results=0) == 5000
+    assert not isinstance(build_strategy("dedupe"), Foresight)

@@ -23,7 +23,7 @@ from ._exceptions import ChatTemplateError, ConfigurationError, ContextKeeperErr
 from .messages import Conversation, Message, MessageLike, _group_units, _restore_conversation
 from .policy import Policy, resolve_policy
 from .strategies._turn import compact_turn
-from .strategies.base import Action, FitState, Item, LLMCall, Unit, run_sync
+from .strategies.base import Action, FitState, Foresight, Item, LLMCall, Unit, run_sync
 from .strategies.sliding_window import SlidingWindow
 from .tokens import TokenCounter, load_counter
 from .tokens._incremental import shared_prefix
@@ -296,6 +296,7 @@ class ContextKeeper:
             raise ConfigurationError(f"no context fits: {self.limit_source} allows 0 tokens; use fewer sequences")
         self.policy = resolve_policy(policy, self.model.name if self.model else self.name)
         self.pipeline = self.policy.pipeline()
+        self._foresight = [s for s, _ in self.pipeline if isinstance(s, Foresight)]
         self.summarizer = summarizer
         self._text_tokens = _text_counter(self.counter)
         self._text_tokens_many = getattr(self.counter, "text_tokens_many", None)
@@ -552,8 +553,13 @@ class ContextKeeper:
         prompt_limit = self.limit - answer
         compacted: tuple[Action, ...] = ()
         # The never-trimmed parts: exactly counted only when a bound found without tokenizing does not already
-        # show they fit (the report counts them when it is read).
-        base = self._fixed_tokens(system, request, tool_list, prompt_limit)
+        # show they fit (the report counts them when it is read). A chat that grew from the last fit is counted
+        # whole first, as the first trigger would count it anyway: when it fits, its request fits too, and that
+        # needs no other count (or render) at all.
+        if built is not None and history and count(history) <= prompt_limit:
+            base = None
+        else:
+            base = self._fixed_tokens(system, request, tool_list, prompt_limit)
         if base is not None and base > prompt_limit:
             # An agent loop's current turn (one user message, many tool rounds) alone is over the budget: its
             # older rounds give way before the fit is refused; the user's message and the last round stay.
@@ -721,15 +727,26 @@ class ContextKeeper:
         self, messages: Sequence[Any], roles: _LazyRoles, sys_end: int, last_user: int, answer: int, per_token: float
     ) -> int:
         """The first history message worth reading: older units cannot fit even at ``per_token`` characters per
-        token, so they are dropped without being validated or tokenized. 0 characters per token: read all."""
+        token, so they are dropped without being validated or tokenized. 0 characters per token: read all.
+
+        A message's characters are what the pipeline's strategies expect to leave of it (see ``Foresight``): old
+        tool results about to be cleared take little room, so the read goes back far enough to fill the budget
+        after they are."""
         if not per_token:
             return sys_end
+        foresight = self._foresight
         budget = (self.limit - answer) * per_token
         used = 0
+        results = 0  # tool results of history newer than the message at ``index``
         horizon = last_user
         for index in range(last_user - 1, sys_end - 1, -1):
-            used += _chars(messages[index])
-            if roles[index] == "user":
+            role = roles[index]
+            chars = _chars(messages[index])
+            for strategy in foresight:
+                chars = strategy.kept_chars(role, chars, results)
+            used += chars
+            results += role == "tool"
+            if role == "user":
                 if used > budget and horizon < last_user:
                     break
                 horizon = index

@@ -70,7 +70,7 @@ class Policy(BaseModel):
     description: str = ""
     match: tuple[str, ...] = ()
     answer_tokens: int = Field(default=1024, gt=0)
-    horizon: float = Field(default=12.0, ge=0)  # characters per token beyond which old history is not read
+    horizon: float = Field(default=4.75, ge=0)  # expected characters per token beyond which history is not read
     steps: tuple[PolicyStep, ...] = ()
 
     def pipeline(self) -> Pipeline:

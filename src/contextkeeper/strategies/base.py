@@ -27,6 +27,7 @@ __all__ = [
     "Action",
     "Always",
     "FitState",
+    "Foresight",
     "Item",
     "LLMCall",
     "OverBudget",
@@ -227,6 +228,18 @@ class Strategy(Protocol):
     def apply(self, state: FitState) -> FitState | Step: ...
 
 
+@runtime_checkable
+class Foresight(Protocol):
+    """A strategy that can tell, from a message's size alone, about how much of it survives: the keeper reads
+    that far back (see ``Policy.horizon``) before anything is validated or tokenized. An estimate: a wrong one
+    costs a second read or some text tokenized and then dropped, never a wrong fit."""
+
+    def kept_chars(self, role: str, chars: int, newer_results: int) -> int:
+        """Characters left of a history message with ``role`` and ``chars`` characters (text and tool-call
+        arguments), when ``newer_results`` tool results of history come after it."""
+        ...
+
+
 # ------------------------------------------------------------------------------------------- triggers
 
 
@@ -384,10 +397,9 @@ async def run_async(strategy: Strategy, state: FitState, backend: AsyncBackend |
 
 
 def with_content(message: Message, content: str) -> Message:
-    """``message`` with its content replaced (role, ids and every other field kept)."""
-    data = message.to_dict()
-    data["content"] = content
-    return Message.from_dict(data)
+    """``message`` with its content replaced (role, ids and every other field kept). A copy, not a new
+    validation: only the content changes, and a string is valid content."""
+    return message.model_copy(update={"content": content})
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,12 @@ class PruneToolResults:
     clear_inputs: bool = False
     placeholder: str = "[tool result cleared: {tool}, {chars} characters]"
 
+    def kept_chars(self, role: str, chars: int, newer_results: int) -> int:
+        """An old tool result shrinks to its placeholder (results of excluded tools cannot be told apart here)."""
+        if role == "tool" and newer_results >= self.keep_last and not self.exclude_tools:
+            return min(chars, len(self.placeholder) + 16)
+        return chars
+
     def apply(self, state: FitState) -> FitState:
         memory: set[str] = state.memory.setdefault("prune_tool_results", set())
         # Tool results in history, oldest first, with the tool name from the matching call.

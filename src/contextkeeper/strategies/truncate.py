@@ -27,6 +27,16 @@ def cut_middle(text: str, cap: int, tokens_of: Any, marker: str) -> str:
     return best
 
 
+def _texts(message: Message) -> list[str]:
+    """The texts the cap applies to: the string content, or each text part's text."""
+    content = message.content
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [t for part in content if part.type == "text" and (t := part.as_text()) is not None]
+    return []
+
+
 @register("truncate")
 @dataclass(frozen=True, kw_only=True)
 class Truncate:
@@ -40,27 +50,33 @@ class Truncate:
     roles: tuple[str, ...] = ("tool", "user")
     marker: str = "\n[… {cut} characters cut …]\n"
 
+    def kept_chars(self, role: str, chars: int, newer_results: int) -> int:
+        """A message over the cap keeps about the cap (at 4 characters per token)."""
+        return min(chars, 4 * self.max_tokens) if role in self.roles else chars
+
     def apply(self, state: FitState) -> FitState:
-        # Every text the cap is checked on, tokenized in one batch first (cached by text: a later fit pays only
-        # for new messages).
+        # Messages whose every text is under the cap by a bound alone are passed over; the texts of the others
+        # are tokenized in one batch first (cached by text: a later fit pays only for new messages).
+        long: dict[int, Item] = {}
         texts: list[str] = []
         for unit in state.history:
             for item in unit:
                 if item.role in self.roles:
-                    content = item.message.content
-                    if isinstance(content, str):
-                        texts.append(content)
-                    elif isinstance(content, list):
-                        texts.extend(t for part in content if part.type == "text" and (t := part.as_text()) is not None)
-        state.prefetch_tokens([text for text in texts if not self._short(state, text)])
+                    unsure = [text for text in _texts(item.message) if not self._short(state, text)]
+                    if unsure:
+                        long[id(item)] = item
+                        texts.extend(unsure)
+        if not long:
+            return state
+        state.prefetch_tokens(texts)
         new: list[Unit] = []
         cut = 0
+        key = ("truncate", self.max_tokens, self.marker)
         for unit in state.history:
             items = list(unit)
             for position, item in enumerate(items):
-                if item.role not in self.roles:
+                if id(item) not in long:
                     continue
-                key = ("truncate", self.max_tokens, self.marker)
                 replaced = state.reuse(item.message, key, functools.partial(self._cut, item, state))
                 if replaced.message is not item.message:
                     items[position] = replaced

@@ -504,23 +504,21 @@ class IncrementalRenderer:
         # One memo per generation (what the head leaves for the body), newest last: a caller that alternates
         # between, say, counting with and without tools keeps both.
         self._memos: dict[Any, dict[tuple[int, bool], tuple[tuple[Any, ...], str]]] = {}
-        # Per generation: the last call's messages, body outputs and serial number.
-        self._previous: dict[Any, tuple[list[Any], list[str], int, list[tuple[Any, ...]], str]] = {}
-        self._serial = 0
-        # After each render: (serial of this render, serial of the render it reused from or -1, length of the
-        # text prefix guaranteed equal to that render's text).
-        self.last_reuse: tuple[int, int, int] = (0, -1, 0)
+        # Per generation: the last call's messages, body outputs, guard results and head output.
+        self._previous: dict[Any, tuple[list[Any], list[str], list[tuple[Any, ...]], str]] = {}
         self._lock = threading.Lock()  # a memo and its generation change together
         self.reused = 0
 
     def render(self, context: dict[str, Any]) -> str:
         """The same text as rendering the whole template with ``context``."""
-        return self.render_with_lineage(context)[0]
+        return "".join(self.render_segments(context))
 
-    def _next_serial(self, based_on: int, stable: int) -> int:
-        self._serial += 1
-        self.last_reuse = (self._serial, based_on, stable)
-        return self._serial
+    def render_segments(self, context: dict[str, Any]) -> list[str]:
+        """That text in pieces whose concatenation it is: the head's output, each message's body output and the
+        tail's (the very same string objects while reused, so counts can be cached by them); one piece when the
+        template had to be rendered whole."""
+        with self._lock:
+            return self._render(context)
 
     def _keep_newest(self, per_generation: dict[Any, Any]) -> None:
         while len(per_generation) > self._generations:
@@ -535,15 +533,7 @@ class IncrementalRenderer:
         tail = parts[count] if count else parts[0][len(head_text) :]
         return bodies, tail
 
-    def render_with_lineage(self, context: dict[str, Any]) -> tuple[str, tuple[Any, Any, int]]:
-        """The text, and ``(its id, the id of the earlier render it reused, n)``: ``text[:n]`` equals that
-        earlier render's beginning (see ``PieceCounter.count``)."""
-        with self._lock:
-            text = self._render(context)
-            serial, based_on, stable = self.last_reuse
-            return text, ((id(self), serial), (id(self), based_on) if based_on >= 0 else None, stable)
-
-    def _render(self, context: dict[str, Any]) -> str:
+    def _render(self, context: dict[str, Any]) -> list[str]:
         split = self.split
         module = split.head.make_module(context)
         head_text = str(module)
@@ -562,8 +552,7 @@ class IncrementalRenderer:
                 columns = []
             if len(columns) != len(guards) or any(type(v) is not bool for column in columns for v in column):
                 assert split.whole is not None
-                self._next_serial(-1, 0)
-                return split.whole.render(context)
+                return [split.whole.render(context)]
             marks = list(zip(*columns, strict=True))
         else:
             marks = [()] * count
@@ -588,28 +577,33 @@ class IncrementalRenderer:
         self._keep_newest(self._memos)
         reach = split.reach
         body = split.body
-        # Whole-prefix reuse first: outputs of the previous call under this generation whose window lies inside
-        # the prefix of identical message objects the two lists share, and whose "last" flag and guard results
-        # are unchanged.
+        positional = split.positional
+        # Whole runs reused from the previous call under this generation: a prefix and a suffix of bodies whose
+        # windows lie inside the runs of identical message objects the two lists share at their start and at
+        # their end, and whose flags ("first", "last") and guard results are unchanged.
         previous = self._previous.get(generation)
-        texts: list[str] = []
-        based_on = -1
-        reuse_from, reuse_to = 0, 0
+        reuse_from, reuse_to = 0, 0  # bodies [reuse_from, reuse_to) are the previous call's at the same index
+        tail_from, shift = count, 0  # bodies [tail_from, count) are the previous call's at index - shift
         last_texts: list[str] = []
-        last_head = ""
         if previous is not None:
-            last_messages, last_texts, based_on, last_marks, last_head = previous
+            last_messages, last_texts, last_marks, _ = previous
+            old_count = len(last_messages)
             shared = shared_prefix(messages, last_messages)
             # Bodies before ``reach`` may read messages[-1]... (Python indexing wraps), the list's changing end,
             # so they go through the per-message path below; the rest of the shared prefix is taken whole.
             reuse_from, reuse_to = reach, max(reach, shared - reach)
-            old_last = len(last_messages) - 1
-            for flag_index in (old_last, count - 1):  # the only places where loop.last can differ
-                if reuse_from <= flag_index < reuse_to and (flag_index == old_last) != (flag_index == count - 1):
+            for flag_index in (old_count - 1, count - 1):  # the only places where loop.last can differ
+                if reuse_from <= flag_index < reuse_to and (flag_index == old_count - 1) != (flag_index == count - 1):
                     reuse_to = flag_index
             if guards and last_marks[reuse_from:reuse_to] != marks[reuse_from:reuse_to]:
                 reuse_to = next(i for i in range(reuse_from, reuse_to) if last_marks[i] != marks[i])
-        positional = split.positional
+            shift = count - old_count
+            if not positional or shift == 0:
+                ended = shared_prefix(messages[::-1], last_messages[::-1])
+                # Not the first body of either list (loop.first), nor one whose window wraps to the list's end.
+                tail_from = min(count, max(count - ended + reach, reach + max(shift, 0), 1 + max(shift, 0), reuse_to))
+                if tail_from < count and guards and last_marks[tail_from - shift :] != marks[tail_from:]:
+                    tail_from = 1 + max(i for i in range(tail_from, count) if last_marks[i - shift] != marks[i])
 
         def key_of(index: int, window: tuple[Any, ...]) -> Any:
             if positional:
@@ -622,11 +616,13 @@ class IncrementalRenderer:
                 local[guard.name] = value
             return local
 
-        # Look every body up first: only when many are new is one whole (marked) render cheaper.
+        # Look every other body up first: only when many are new is one whole (marked) render cheaper.
+        run = reuse_to > reuse_from
+        before = range(reuse_from if run else 0)
+        middle = range(reuse_to if run else 0, tail_from)
         found: dict[int, str] = {}
         misses = 0
-        outside = range(count) if reuse_to <= reuse_from else [*range(reuse_from), *range(reuse_to, count)]
-        for index in outside:
+        for index in (*before, *middle):
             window = _window(messages, index, reach)
             known = memo.get(key_of(index, window))
             if (
@@ -644,40 +640,27 @@ class IncrementalRenderer:
                 for index, text in enumerate(bodies):
                     window = _window(messages, index, reach)
                     memo[key_of(index, window)] = (window, text)
-                self._previous[generation] = (list(messages), bodies, self._next_serial(-1, 0), marks, head_text)
+                self._previous[generation] = (list(messages), bodies, marks, head_text)
                 self._keep_newest(self._previous)
-                return "".join([head_text, *bodies, tail_text])
-        index = 0
-        while index < count:
-            if index == reuse_from and reuse_to > reuse_from:
-                texts.extend(last_texts[reuse_from:reuse_to])
-                self.reused += reuse_to - reuse_from
-                index = reuse_to
-                continue
+                return [head_text, *bodies, tail_text]
+
+        def body_of(index: int) -> str:
             known_text = found.get(index)
             if known_text is not None:
-                texts.append(known_text)
                 self.reused += 1
-            else:
-                window = _window(messages, index, reach)
-                text = body.render(scope_of(index))
-                memo[key_of(index, window)] = (window, text)
-                texts.append(text)
-            index += 1
-        # How far this render's text provably equals the previous one's: identical body outputs in order.
-        reused_prefix = 0
-        if previous is not None and last_head == head_text:
-            limit = min(len(texts), len(last_texts), reuse_from)
-            while reused_prefix < limit and texts[reused_prefix] == last_texts[reused_prefix]:
-                reused_prefix += 1
-            if reused_prefix == reuse_from and reuse_to > reuse_from:
-                reused_prefix = reuse_to
+                return known_text
+            window = _window(messages, index, reach)
+            text = body.render(scope_of(index))
+            memo[key_of(index, window)] = (window, text)
+            return text
+
+        texts = [body_of(index) for index in before]
+        if run:
+            texts.extend(last_texts[reuse_from:reuse_to])
+        texts.extend(body_of(index) for index in middle)
+        texts.extend(last_texts[tail_from - shift :] if tail_from < count else ())
+        self.reused += (reuse_to - reuse_from if run else 0) + count - tail_from
         tail_text = split.tail.render(scope)
-        text = "".join([head_text, *texts, tail_text])  # one copy of the (long) prompt
-        # Measured from the end: only the few bodies after the reused prefix need their lengths summed.
-        stable = len(text) - len(tail_text) - sum(map(len, texts[reused_prefix:]))
-        if previous is None or last_head != head_text:
-            stable = 0  # another head (say, the first user turn moved into it): no prefix is known to be shared
-        self._previous[generation] = (list(messages), texts, self._next_serial(based_on, stable), marks, head_text)
+        self._previous[generation] = (list(messages), texts, marks, head_text)
         self._keep_newest(self._previous)
-        return text
+        return [head_text, *texts, tail_text]

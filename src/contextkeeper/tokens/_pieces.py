@@ -18,7 +18,10 @@ import bisect
 import copy
 import json
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+V = TypeVar("V")
 
 __all__ = ["PieceCounter"]
 
@@ -100,6 +103,7 @@ class _Splitter:
             swallowing.sort(key=lambda item: -len(item[0]))
             regexes.append("|".join(p for _, p in swallowing))
         self._finders = [re.compile(r).finditer for r in regexes]
+        self.starts = re.compile("|".join(f"(?:{r})" for r in regexes)).match  # an added token at offset 0
         # One group (the common case: every token starts with "<"): re.split does it all in C.
         self._single = re.compile("(" + regexes[0] + ")").split if len(regexes) == 1 else None
 
@@ -120,7 +124,7 @@ class _Splitter:
         return parts
 
 
-class _Generational:
+class _Generational(Generic[V]):
     """A bounded cache: two generations of dicts, the older dropped when the newer fills up.
 
     Plain dict hits, no per-hit bookkeeping, and at most ``2 * limit`` entries.
@@ -130,10 +134,10 @@ class _Generational:
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._new: dict[str, int] = {}
-        self._old: dict[str, int] = {}
+        self._new: dict[str, V] = {}
+        self._old: dict[str, V] = {}
 
-    def get(self, key: str) -> int | None:
+    def get(self, key: str) -> V | None:
         value = self._new.get(key)
         if value is None:
             value = self._old.get(key)
@@ -141,7 +145,7 @@ class _Generational:
                 self.put(key, value)
         return value
 
-    def put(self, key: str, value: int) -> None:
+    def put(self, key: str, value: V) -> None:
         if len(self._new) >= self._limit:
             self._old = self._new
             self._new = {}
@@ -207,12 +211,23 @@ class PieceCounter:
             plain = token.special and not token.lstrip and not token.rstrip
             if anchor is None and plain and len(backend.encode(content, add_special_tokens=False).ids) == 1:
                 anchor = content
-        self._split = _Splitter(patterns).split if patterns else None
+        splitter = _Splitter(patterns) if patterns else None
+        self._split = splitter.split if splitter is not None else None
+        self._starts = splitter.starts if splitter is not None else None
         self._bound = _byte_bound(backend)
         self._anchor = anchor
-        self._after = _Generational(cache_entries)
-        self._first = _Generational(1024)
-        self._alone = _Generational(16_384)
+        self._after: _Generational[int] = _Generational(cache_entries)
+        self._first: _Generational[int] = _Generational(1024)
+        self._alone: _Generational[int] = _Generational(16_384)
+        # Segment counting (see count_segments): counts of whole chunks (the head's apart, its first piece being
+        # counted without the anchor), and per segment whether it starts with an added token and whether it
+        # cannot end inside one (no suffix of it is a proper prefix of an added token).
+        self._chunks: _Generational[int] = _Generational(cache_entries)
+        self._heads: _Generational[int] = _Generational(64)
+        self._infos: _Generational[tuple[bool, bool]] = _Generational(cache_entries)
+        contents = [content for content, _ in patterns]
+        self._prefixes = frozenset(c[:i] for c in contents for i in range(1, len(c)))
+        self._first_chars = frozenset(c[0] for c in contents)
         self.fast = self._split is not None and anchor is not None and not self.has_single_word
         self.encoded_chars = 0  # characters sent to the tokenizer so far: what caching saves is visible here
         # The previous text and its checkpoints, for resuming; off when tokens swallow whitespace, since such a
@@ -220,7 +235,6 @@ class PieceCounter:
         self._longest = max((len(content) for content, _ in patterns), default=0)
         self._resumable = all(p is None for _, p in patterns)
         self._last = ""
-        self._last_id: Any = None
         self._bounds: list[int] = []
         self._totals: list[int] = []
 
@@ -230,31 +244,17 @@ class PieceCounter:
         self.encoded_chars += len(text)
         return len(self._backend.encode(text, add_special_tokens=False).ids)
 
-    def count(self, text: str, *, lineage: tuple[Any, Any, int] | None = None) -> int:
-        """Exact token count of ``text`` (no special tokens added).
-
-        ``lineage`` — ``(this text's id, the id of an earlier text, n)`` — says that ``text[:n]`` equals that
-        earlier text's beginning; when that earlier text is the one counted last, the shared prefix need not be
-        searched for. Ids are any values the caller keeps unique.
-        """
+    def count(self, text: str) -> int:
+        """Exact token count of ``text`` (no special tokens added); resumes from the previous text's checkpoints
+        inside the prefix the two share."""
         if not self.fast or self._split is None:
             return self.full(text)
-        known = (
-            lineage[2] if lineage is not None and self._last_id is not None and lineage[1] == self._last_id else None
-        )
-        self._last_id = lineage[0] if lineage is not None else None
-        start, base, kept = self._resume_point(text, known)
+        start, base, kept = self._resume_point(text)
         parts = self._split(text[start:] if start else text)
         counts = [0] * len(parts)
         counts[1::2] = [1] * (len(parts) // 2)  # one token per added-token match
-        first = parts[0]
-        if first:  # only at offset 0: a resumed suffix starts on an added token, so its first part is ""
-            cached = self._first.get(first)
-            if cached is None:
-                cached = len(self._backend.encode(first, add_special_tokens=False).ids)
-                self.encoded_chars += len(first)
-                self._first.put(first, cached)
-            counts[0] = cached
+        if parts[0]:  # only at offset 0: a resumed suffix starts on an added token, so its first part is ""
+            counts[0] = self._first_piece(parts[0])
         missing: list[int] = []
         after = self._after
         for index in range(2, len(parts), 2):
@@ -282,6 +282,96 @@ class PieceCounter:
             self._last, self._bounds, self._totals = text, bounds, totals
         return total
 
+    def count_segments(self, segments: Sequence[str]) -> int:
+        """``count("".join(segments))``, from counts cached per segment.
+
+        Exact: when a segment starts with an added token and the segment before it cannot end inside one (no
+        suffix of it is a proper prefix of an added token), no added token of the whole text runs across their
+        border, so the whole text's pieces are the two segments' pieces and the counts add up. Other segments are
+        joined with the one before them and counted together."""
+        if not self.fast or self._split is None or not self._resumable:
+            return self.count("".join(segments))
+        # The newer generation's dicts looked up directly: this loop runs once per message of the prompt.
+        info_of = self._infos._new.get
+        count_of = self._chunks._new.get
+        total = 0
+        chunks: list[tuple[bool, str]] = []  # (is the head, chunk) of the chunks not found in the cache
+        run: list[str] = []
+        clean = False
+        for segment in segments:
+            if not segment:
+                continue
+            info = info_of(segment) or self._info(segment)
+            if run and not (info[0] and clean):
+                run.append(segment)
+                clean = info[1]
+                continue
+            if run:  # a chunk ends here
+                chunk = run[0] if len(run) == 1 else "".join(run)
+                known = count_of(chunk) if chunks else None  # the head (the first) has a cache of its own
+                if known is None:
+                    chunks.append((not chunks, chunk))
+                else:
+                    total += known
+            run = [segment]
+            clean = info[1]
+        if run:
+            chunks.append((not chunks, run[0] if len(run) == 1 else "".join(run)))
+        return total + self._count_chunks(chunks)
+
+    def _count_chunks(self, chunks: list[tuple[bool, str]]) -> int:
+        """Tokens of each chunk (see :meth:`count_segments`), from the caches or with every new piece tokenized in
+        one batch. A head chunk's first piece is counted without the anchor."""
+        total = 0
+        misses: list[tuple[bool, str, list[str]]] = []
+        pieces: dict[str, int | None] = {}  # the pieces of the new chunks, with their cached counts
+        assert self._split is not None
+        for head, chunk in chunks:
+            known = (self._heads if head else self._chunks).get(chunk)
+            if known is not None:
+                total += known
+                continue
+            parts = self._split(chunk)
+            misses.append((head, chunk, parts))
+            for piece in parts[2::2]:
+                if piece and piece not in pieces:
+                    pieces[piece] = self._after.get(piece)
+        new = [piece for piece, n in pieces.items() if n is None]
+        if new:
+            pieces.update(self._encode_new(new))
+        for head, chunk, parts in misses:
+            tokens = len(parts) // 2  # one per added-token match
+            if head and parts[0]:  # text before the head's first added token
+                tokens += self._first_piece(parts[0])
+            tokens += sum(pieces[piece] or 0 for piece in parts[2::2] if piece)
+            (self._heads if head else self._chunks).put(chunk, tokens)
+            total += tokens
+        return total
+
+    def _info(self, segment: str) -> tuple[bool, bool]:
+        info = self._infos.get(segment)
+        if info is None:
+            assert self._starts is not None
+            starts = self._starts(segment) is not None
+            tail = segment[1 - self._longest :] if self._longest > 1 else ""
+            ends_clean = True
+            for char in self._first_chars:
+                at = tail.find(char)
+                while at >= 0 and ends_clean:
+                    ends_clean = tail[at:] not in self._prefixes
+                    at = tail.find(char, at + 1)
+            info = (starts, ends_clean)
+            self._infos.put(segment, info)
+        return info
+
+    def _first_piece(self, piece: str) -> int:
+        cached = self._first.get(piece)
+        if cached is None:
+            cached = len(self._backend.encode(piece, add_special_tokens=False).ids)
+            self.encoded_chars += len(piece)
+            self._first.put(piece, cached)
+        return cached
+
     def alone(self, text: str) -> int:
         """Tokens of ``text`` encoded on its own, from a cache keyed by the text; the resume state of
         :meth:`count` is left alone, so counting snippets between prompts costs the prompts nothing."""
@@ -294,10 +384,22 @@ class PieceCounter:
 
     def bound(self, text: str) -> int | None:
         """An upper bound on :meth:`alone` without tokenizing (UTF-8 bytes, see ``_byte_bound``), or None."""
+        return self.bound_many((text,))
+
+    def bound_many(self, texts: Sequence[str]) -> int | None:
+        """:meth:`bound` of the texts' concatenation."""
         rule = self._bound
-        if rule is None or (rule == "ascii" and not text.isascii()):
+        if rule is None:
             return None
-        return len(text.encode("utf-8"))
+        total = 0
+        for text in texts:
+            if text.isascii():
+                total += len(text)
+            elif rule == "ascii":
+                return None
+            else:
+                total += len(text.encode("utf-8"))
+        return total
 
     def alone_many(self, texts: list[str]) -> list[int]:
         """:meth:`alone` of each text; the ones not cached are encoded in one batch (in parallel)."""
@@ -312,13 +414,13 @@ class PieceCounter:
                 cache.put(text, len(encoding.ids))
         return [self.alone(t) for t in texts]
 
-    def _resume_point(self, text: str, known: int | None = None) -> tuple[int, int, int]:
+    def _resume_point(self, text: str) -> tuple[int, int, int]:
         """Where counting ``text`` may start: the last checkpoint of the previous text that lies wholly inside
         the prefix both texts share — ``(offset, tokens before it, checkpoints kept)``, or zeros."""
         last = self._last
         if not last:
             return 0, 0, 0
-        shared = known if known is not None else _common_prefix(text, last)
+        shared = _common_prefix(text, last)
         # A token match that starts before the checkpoint ends within the longest token's length of it, so
         # everything the tokenizer decided before it depends only on shared text.
         kept = bisect.bisect_right(self._bounds, shared - self._longest)
@@ -344,7 +446,7 @@ class PieceCounter:
         its own. The caches are plain dicts: a lost entry between threads costs a re-encode, never a wrong count."""
         clone = copy.copy(self)
         clone.encoded_chars = 0
-        clone._last, clone._last_id, clone._bounds, clone._totals = "", None, [], []
+        clone._last, clone._bounds, clone._totals = "", [], []
         return clone
 
     # -- self-check ------------------------------------------------------------------------------------------
@@ -365,12 +467,14 @@ class PieceCounter:
         return agree
 
     def clear(self) -> None:
+        self._chunks.clear()
+        self._heads.clear()
+        self._infos.clear()
         self._after.clear()
         self._first.clear()
         self._alone.clear()
         self.encoded_chars = 0
         self._last, self._bounds, self._totals = "", [], []
-        self._last_id = None
 
     @property
     def cached_pieces(self) -> int:

@@ -164,7 +164,7 @@ class HFChatTemplateCounter:
         self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
     ) -> Measurement:
         """Count ``messages`` and ``tools`` and say what the count is made of."""
-        text, lineage, media, tool_list = self._prompt(messages, tools, add_generation_prompt)
+        segments, media, tool_list = self._prompt(messages, tools, add_generation_prompt)
         notes: list[str] = []
         if tool_list and self.ignores_tools and not self._warned_tools:
             self._warned_tools = True
@@ -177,7 +177,7 @@ class HFChatTemplateCounter:
             notes.append("the chat template ignores tools: they cost 0 tokens and the model does not see them")
         if self.renders_date:
             notes.append("the chat template renders today's date; the count is exact for today")
-        text_tokens = self.count_text(text, lineage=lineage)
+        text_tokens = self._count_segments(segments)
         media_tokens = self.media_cost.for_parts(media)
         if media:
             notes.append(f"{len(media)} non-text part(s) priced at {media_tokens} tokens by {self.media_cost.source}")
@@ -197,18 +197,19 @@ class HFChatTemplateCounter:
         length, for tokenizers that make at most one token per byte (None for the others)."""
         if self._pieces is None:
             return None
-        text, _, media, _ = self._prompt(messages, tools, add_generation_prompt)
-        most = self._pieces.bound(text)
+        segments, media, _ = self._prompt(messages, tools, add_generation_prompt)
+        most = self._pieces.bound_many(segments)
         return None if most is None else most + self.media_cost.for_parts(media)
 
     def _prompt(
         self, messages: MessagesLike, tools: ToolsLike, add_generation_prompt: bool
-    ) -> tuple[str, tuple[Any, Any, int] | None, list[tuple[int, ContentPart]], list[dict[str, Any]] | None]:
-        """The rendered prompt text, its lineage, the non-text parts and the counter's copy of the tools."""
+    ) -> tuple[list[str], list[tuple[int, ContentPart]], list[dict[str, Any]] | None]:
+        """The rendered prompt (in segments, see ``IncrementalRenderer.render_segments``), the non-text parts and
+        the counter's copy of the tools."""
         plain, media = self._view(self._conversation(messages))
         tool_list = self._tool_list(tools)
-        text, lineage = self._render(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
-        return text, lineage, media, tool_list
+        segments = self._render(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
+        return segments, media, tool_list
 
     # -- pieces ----------------------------------------------------------------------------------------------
     def freeze_tools(self, tools: ToolsLike) -> list[dict[str, Any]] | None:
@@ -295,11 +296,11 @@ class HFChatTemplateCounter:
         self, plain: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None, add_generation_prompt: bool
     ) -> str:
         """Render already-preprocessed message dicts with the template, in the sandbox."""
-        return self._render(plain, tools=tools, add_generation_prompt=add_generation_prompt)[0]
+        return "".join(self._render(plain, tools=tools, add_generation_prompt=add_generation_prompt))
 
     def _render(
         self, plain: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None, add_generation_prompt: bool
-    ) -> tuple[str, tuple[Any, Any, int] | None]:
+    ) -> list[str]:
         source = self.template_for(tools)
         template = compile_template(source)
         context = {
@@ -316,8 +317,8 @@ class HFChatTemplateCounter:
         renderer = self._renderers[source]
         try:
             if renderer is not None:
-                return renderer.render_with_lineage(context)
-            return template.render(context), None
+                return renderer.render_segments(context)
+            return [template.render(context)]
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(
                 f"the chat template of {self.name} rejected these messages: {str(exc).rstrip('.!')}. This model's "
@@ -342,12 +343,19 @@ class HFChatTemplateCounter:
             add_generation_prompt=add_generation_prompt,
         )
 
-    def count_text(self, text: str, *, lineage: tuple[Any, Any, int] | None = None) -> int:
+    def count_text(self, text: str) -> int:
         """Tokens of an already-rendered prompt, no special tokens added."""
         if self._pieces is None:
             return len(self.tokenizer.encode(text, add_special_tokens=False))
         with self._lock:
-            return self._pieces.count(text, lineage=lineage)
+            return self._pieces.count(text)
+
+    def _count_segments(self, segments: list[str]) -> int:
+        """Tokens of the prompt ``"".join(segments)``."""
+        if self._pieces is None or len(segments) == 1:
+            return self.count_text("".join(segments))
+        with self._lock:
+            return self._pieces.count_segments(segments)
 
     def fork(self) -> HFChatTemplateCounter:
         """A counter with the same tokenizer and settings and incremental state of its own, for counts that should
