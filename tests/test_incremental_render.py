@@ -64,12 +64,17 @@ def test_templates_with_cross_message_state_are_refused() -> None:
         assert split_template(compile_template(source), source) is None, source
 
 
-@pytest.mark.parametrize("name", SPLITTABLE)
-def test_incremental_render_equals_whole_render(name: str) -> None:
+def _counters(name: str) -> tuple[ck.HFChatTemplateCounter, ck.HFChatTemplateCounter]:
+    """Counters for one template: message by message, and whole (the reference)."""
     tokenizer = hf_tokenizer("qwen2")
     source = template(name)
     fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name)
-    whole = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name, incremental=False)
+    return fast, ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name, incremental=False)
+
+
+@pytest.mark.parametrize("name", SPLITTABLE)
+def test_incremental_render_equals_whole_render(name: str) -> None:
+    fast, whole = _counters(name)
     compared = 0
     for shape in CONVERSATIONS.values():
         for messages in _edits(shape()):
@@ -91,10 +96,7 @@ def test_incremental_render_equals_whole_render(name: str) -> None:
 def test_runs_shared_at_either_end_are_reused_and_counts_stay_exact(name: str) -> None:
     # A sliding window's candidates (the same newest messages behind a moving start), and a chat whose middle
     # changed (a tool result rewritten): bodies are taken whole from the previous render at both ends.
-    tokenizer = hf_tokenizer("qwen2")
-    source = template(name)
-    fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name)
-    whole = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name, incremental=False)
+    fast, whole = _counters(name)
     shape = [m for m in CONVERSATIONS["tool_round"]() if m["role"] != "system"]
     chat: list[dict[str, Any]] = []
     for turn in range(6):

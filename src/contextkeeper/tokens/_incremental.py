@@ -504,8 +504,8 @@ class IncrementalRenderer:
         # One memo per generation (what the head leaves for the body), newest last: a caller that alternates
         # between, say, counting with and without tools keeps both.
         self._memos: dict[Any, dict[tuple[int, bool], tuple[tuple[Any, ...], str]]] = {}
-        # Per generation: the last call's messages, body outputs, guard results and head output.
-        self._previous: dict[Any, tuple[list[Any], list[str], list[tuple[Any, ...]], str]] = {}
+        # Per generation: the last call's messages, body outputs and guard results.
+        self._previous: dict[Any, tuple[list[Any], list[str], list[tuple[Any, ...]]]] = {}
         self._lock = threading.Lock()  # a memo and its generation change together
         self.reused = 0
 
@@ -586,7 +586,7 @@ class IncrementalRenderer:
         tail_from, shift = count, 0  # bodies [tail_from, count) are the previous call's at index - shift
         last_texts: list[str] = []
         if previous is not None:
-            last_messages, last_texts, last_marks, _ = previous
+            last_messages, last_texts, last_marks = previous
             old_count = len(last_messages)
             shared = shared_prefix(messages, last_messages)
             # Bodies before ``reach`` may read messages[-1]... (Python indexing wraps), the list's changing end,
@@ -640,7 +640,7 @@ class IncrementalRenderer:
                 for index, text in enumerate(bodies):
                     window = _window(messages, index, reach)
                     memo[key_of(index, window)] = (window, text)
-                self._previous[generation] = (list(messages), bodies, marks, head_text)
+                self._previous[generation] = (list(messages), bodies, marks)
                 self._keep_newest(self._previous)
                 return [head_text, *bodies, tail_text]
 
@@ -661,6 +661,6 @@ class IncrementalRenderer:
         texts.extend(last_texts[tail_from - shift :] if tail_from < count else ())
         self.reused += (reuse_to - reuse_from if run else 0) + count - tail_from
         tail_text = split.tail.render(scope)
-        self._previous[generation] = (list(messages), texts, marks, head_text)
+        self._previous[generation] = (list(messages), texts, marks)
         self._keep_newest(self._previous)
         return [head_text, *texts, tail_text]
