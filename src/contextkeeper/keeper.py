@@ -602,7 +602,7 @@ class ContextKeeper:
                 continue  # a summarising step without a summarizer: the sliding window covers it
             if trigger(state):
                 state = run_sync(strategy, state, self._backend())
-        state = run_sync(SlidingWindow(), state)
+        state = run_sync(SlidingWindow(after_cut=sticky is None and horizon > sys_end), state)
         tokens = state.tokens()
         wider = further(tokens, horizon - sys_end) if further is not None else None
         if wider is not None:

@@ -22,11 +22,14 @@ class SlidingWindow:
 
     slack: float = 0.05  # when units must go, leave this share of the budget free
     tolerance: float = 0.01  # a suffix this share of the budget below the mark is as good as the longest
+    # Leave the slack free even when the history fits: older units are gone already (the keeper sets this for a
+    # fresh read that dropped history beyond its horizon unread), so the next turns should only append.
+    after_cut: bool = False
 
     def apply(self, state: FitState) -> FitState:
         history = state.history
         total = state.tokens()
-        if total <= state.limit:
+        if total <= state.limit and not (self.after_cut and total > state.limit * (1 - self.slack)):
             return state
         starts = [i for i, unit in enumerate(history) if unit and unit[0].role == "user"] + [len(history)]
         last = len(starts) - 1  # the answer lies in [0, last]; ``last`` (empty history) always fits the limit
@@ -34,6 +37,8 @@ class SlidingWindow:
         target = int(state.limit * (1 - self.slack))
         if base > target:
             target = state.limit
+        if total <= target:
+            return state
         floor = target - int(state.limit * self.tolerance)
         # Characters of the history kept from each candidate start, for interpolating between exact counts.
         sizes = state.unit_chars(history)
