@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from assets import template, tokenizer_dir
 from conftest import hf_tokenizer
 from contextkeeper.keeper import ContextKeeper, RequestTooLarge
 from contextkeeper.policy import Policy, PolicyStep
-from contextkeeper.strategies import Foresight, build_strategy
+from contextkeeper.strategies import Foresight, Pipeline, build_strategy
 from conversations import TOOLS
 
 QWEN = "Qwen-Qwen2.5-7B-Instruct"
@@ -428,6 +429,16 @@ def test_state_chars_follow_a_history_that_shares_its_first_units() -> None:
         assert state.chars() == expected
 
 
+@dataclass(frozen=True)
+class _Apply:
+    """A strategy reduced to its ``apply``."""
+
+    strategy: Any
+
+    def apply(self, state: Any) -> Any:
+        return self.strategy.apply(state)
+
+
 def test_the_horizon_reads_old_tool_results_at_their_cleared_size() -> None:
     # A long agent chat whose old tool results the default pipeline clears: the keeper reads back as far as the
     # cleared history fills the budget (one read), not as far as the raw text would.
@@ -436,7 +447,10 @@ def test_the_horizon_reads_old_tool_results_at_their_cleared_size() -> None:
     counter = keeper(context).counter
     aware = ContextKeeper(counter, context_window=context, policy="default")
     blind = aware.fresh()
-    blind._foresight = []  # the same pipeline, asked nothing about what it will leave
+    # The same pipeline, asked nothing about what it will leave: those that could tell behind a plain ``apply``.
+    blind.pipeline = Pipeline(
+        tuple((_Apply(s) if isinstance(s, Foresight) else s, trigger) for s, trigger in aware.pipeline)
+    )
     reads: list[int] = []
     for k in (aware, blind):
         passes = 0

@@ -296,7 +296,6 @@ class ContextKeeper:
             raise ConfigurationError(f"no context fits: {self.limit_source} allows 0 tokens; use fewer sequences")
         self.policy = resolve_policy(policy, self.model.name if self.model else self.name)
         self.pipeline = self.policy.pipeline()
-        self._foresight = [s for s, _ in self.pipeline if isinstance(s, Foresight)]
         self.summarizer = summarizer
         self._text_tokens = _text_counter(self.counter)
         self._text_tokens_many = getattr(self.counter, "text_tokens_many", None)
@@ -734,7 +733,7 @@ class ContextKeeper:
         after they are."""
         if not per_token:
             return sys_end
-        foresight = self._foresight
+        foresight = [strategy for strategy, _ in self.pipeline if isinstance(strategy, Foresight)]
         budget = (self.limit - answer) * per_token
         used = 0
         results = 0  # tool results of history newer than the message at ``index``

@@ -57,14 +57,14 @@ class Truncate:
     def apply(self, state: FitState) -> FitState:
         # Messages whose every text is under the cap by a bound alone are passed over; the texts of the others
         # are tokenized in one batch first (cached by text: a later fit pays only for new messages).
-        long: dict[int, Item] = {}
+        long: set[int] = set()  # ids of the items to check (alive with the history)
         texts: list[str] = []
         for unit in state.history:
             for item in unit:
                 if item.role in self.roles:
                     unsure = [text for text in _texts(item.message) if not self._short(state, text)]
                     if unsure:
-                        long[id(item)] = item
+                        long.add(id(item))
                         texts.extend(unsure)
         if not long:
             return state
