@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import contextkeeper as ck
 from assets import template
 from conftest import hf_tokenizer
-from contextkeeper.tokens._pieces import PieceCounter
+from contextkeeper.tokens._pieces import PieceCounter, _blocks, _line_safe
 from conversations import TOOLS, call
 
 FAMILIES = [
@@ -198,6 +198,106 @@ def test_counts_summed_over_segments_equal_whole_text_encoding(vocab: str, data:
     for _ in range(3):
         segments = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=10))
         assert pieces.count_segments(segments) == pieces.full("".join(segments)), segments
+
+
+@pytest.mark.parametrize("vocab", ["qwen2", "llama-bpe", "gemma-4"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_segment_counts_resumed_from_the_previous_call_equal_whole_text_encoding(
+    vocab: str, data: st.DataObject
+) -> None:
+    """Consecutive segment lists edited as a chat and its window are: grown at the end, dropped at the start, a
+    middle segment rewritten, inserted or removed; the runs shared with the previous call are taken whole."""
+    backend = hf_tokenizer(vocab).backend_tokenizer
+    specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.content][:50]
+    pieces = PieceCounter(backend)
+    token = st.sampled_from(specials)
+    half = token.map(lambda t: t[: max(1, len(t) // 2)])
+    segment = st.lists(st.one_of(_text, token, token, half), min_size=0, max_size=4).map("".join)
+    segments = data.draw(st.lists(segment, min_size=1, max_size=12))
+    for _ in range(6):
+        assert pieces.count_segments(segments) == pieces.full("".join(segments)), segments
+        edit = data.draw(st.sampled_from(["grow", "drop", "rewrite", "insert", "remove", "same"]))
+        at = data.draw(st.integers(0, len(segments)))
+        if edit == "grow":
+            segments = segments + data.draw(st.lists(segment, min_size=1, max_size=3))
+        elif edit == "drop":
+            segments = segments[:1] + segments[1 + at // 2 :]
+        elif edit == "rewrite" and at < len(segments):
+            segments = [*segments[:at], data.draw(segment), *segments[at + 1 :]]
+        elif edit == "insert":
+            segments = [*segments[:at], data.draw(segment), *segments[at:]]
+        elif edit == "remove" and at < len(segments):
+            segments = segments[:at] + segments[at + 1 :]
+    assert pieces.count_segments(segments) == pieces.full("".join(segments)), segments
+
+
+def test_a_segment_list_changed_in_the_middle_looks_only_at_the_middle() -> None:
+    pieces = PieceCounter(hf_tokenizer("qwen2").backend_tokenizer)
+    segments = [f"<|im_start|>user\nmessage {i}<|im_end|>\n" for i in range(200)]
+    pieces.count_segments(segments)
+    seen: list[list[tuple[bool, str]]] = []
+    count_chunks = pieces._count_chunks
+
+    def recording(chunks: list[tuple[bool, str]]) -> list[int]:
+        seen.append(chunks)
+        return count_chunks(chunks)
+
+    pieces._count_chunks = recording  # type: ignore[method-assign]
+    edited = [*segments[:100], "<|im_start|>user\nrewritten<|im_end|>\n", *segments[101:]]
+    assert pieces.count_segments(edited) == pieces.full("".join(edited))
+    # The rewritten segment and its neighbours (a border beside a changed segment is not taken on trust).
+    assert seen == [[(False, segment) for segment in edited[99:102]]]
+    grown = [*edited, "<|im_start|>assistant\n"]
+    assert pieces.count_segments(grown) == pieces.full("".join(grown))
+    assert seen[-1] == [(False, segment) for segment in grown[-2:]]
+
+
+_LINE_SAFE = {"qwen2": True, "llama-bpe": True, "qwen35": True, "deepseek-v4": True, "harmony-on-qwen2": True}
+_LINE_SAFE |= dict.fromkeys(("deepseek-llm", "gemma-4", "llama-spm", "phi-3"), False)
+# Lines as tool results write them, and what sits at a line start or end: whitespace runs before a newline, CRLF,
+# a "/" after a newline (o200k's pattern runs across that one), digits, CJK, combining marks, contractions.
+_line = st.lists(
+    _text
+    | st.sampled_from(["  ", "\t", "\r", "/", "'s", "123456", "中文", "\u0301", "é", "}", "{", "-", " x", "\u00a0"]),
+    max_size=6,
+).map("".join)
+
+
+@pytest.mark.parametrize("vocab", sorted(_LINE_SAFE))
+@settings(max_examples=80, deadline=None)
+@given(lines=st.lists(_line, min_size=1, max_size=12), size=st.integers(1, 40))
+def test_a_piece_cut_at_line_starts_counts_the_same_where_the_rule_is_on(
+    vocab: str, lines: list[str], size: int
+) -> None:
+    backend = hf_tokenizer(vocab).backend_tokenizer
+    assert _line_safe(backend) is _LINE_SAFE[vocab]
+    text = "\n".join(lines)
+    blocks = _blocks(text, size)
+    assert "".join(blocks) == text
+    assert all(block.startswith(tuple(chr(c) for c in range(0x21, 0x7F))) for block in blocks[1:])
+    if _LINE_SAFE[vocab]:
+        whole = len(backend.encode(text, add_special_tokens=False))
+        assert sum(len(backend.encode(block, add_special_tokens=False)) for block in blocks) == whole, blocks
+
+
+@pytest.mark.parametrize(
+    ("vocab", "start", "end"),
+    [("qwen2", "<|im_start|>", "<|im_end|>"), ("llama-bpe", "<|start_header_id|>", "<|eot_id|>")],
+)
+def test_a_piece_that_extends_another_reuses_its_first_blocks(vocab: str, start: str, end: str) -> None:
+    # Llama 3 writes the tool schemas and the first user message as one piece: a new first message must not cost
+    # the schemas again.
+    pieces = PieceCounter(hf_tokenizer(vocab).backend_tokenizer)
+    assert pieces.in_blocks
+    schemas = "Given the following functions:\n\n" + json.dumps(TOOLS, indent=4) + "\n\n"
+    spent = []
+    for question in ("What is the weather in Paris?", "And in Rome, tomorrow?"):
+        text = f"{start}user{end}{schemas}{question}{end}"
+        before = pieces.encoded_chars
+        assert pieces.count(text) == pieces.full(text)
+        spent.append(pieces.encoded_chars - before - len(text))  # less what full() encoded
+    assert spent[0] > len(schemas) > 2 * spent[1] > 0, spent
 
 
 def test_a_segment_that_ends_inside_a_token_is_joined_with_the_next() -> None:

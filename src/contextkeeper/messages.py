@@ -914,6 +914,8 @@ def _parse_arguments(arguments: Any) -> Any:
 # Keys an OpenAI-compatible server passes to the template besides role and content. Reasoning is kept under
 # every name clients use for it (vLLM reads ``reasoning``; DeepSeek-style clients send ``reasoning_content``).
 _SERVER_KEYS = frozenset({"name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content", "thinking"})
+# The string fields among them, in the order of Message's fields.
+_SERVER_FIELDS = tuple(key for key in Message.model_fields if key in _SERVER_KEYS and key != "tool_calls")
 
 
 def server_view(
@@ -947,6 +949,19 @@ def server_view_message(
     message: Message, *, content_format: ContentFormat = "string"
 ) -> tuple[dict[str, Any], list[ContentPart]]:
     """One message of :func:`server_view`: its new plain dict and the non-text parts taken out of it."""
+    if (
+        type(message.content) is str
+        and message.tool_calls is None
+        and not message.__pydantic_extra__
+        and (content_format == "string" or message.role == "tool")
+    ):
+        # Only strings and None (most messages): the dict the general path below builds, key order included.
+        data: dict[str, Any] = {"role": message.role, "content": message.content}
+        for key in _SERVER_FIELDS:
+            value = getattr(message, key)
+            if value is not None:
+                data[key] = value
+        return data, []
     data = _without_none(message.to_dict())
     data.pop("content", None)
     texts: list[str] = []

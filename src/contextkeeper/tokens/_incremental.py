@@ -473,6 +473,8 @@ _OUTSIDE = object()  # a neighbour index past the end: the template sees Undefin
 def _window(messages: list[Any], index: int, reach: int) -> tuple[Any, ...]:
     """The messages the body at ``index`` can read, as Jinja indexes a list: negative indices wrap around."""
     count = len(messages)
+    if reach <= index < count - reach:  # no wrap-around and nothing outside: one slice
+        return tuple(messages[index - reach : index + reach + 1])
     return tuple(
         messages[position] if -count <= position < count else _OUTSIDE
         for position in range(index - reach, index + reach + 1)
@@ -621,8 +623,8 @@ class IncrementalRenderer:
         before = range(reuse_from if run else 0)
         middle = range(reuse_to if run else 0, tail_from)
         found: dict[int, str] = {}
-        misses = 0
-        for index in (*before, *middle):
+        misses = 0 if memo else len(before) + len(middle)  # an empty memo (a first render) has nothing to find
+        for index in (*before, *middle) if memo else ():
             window = _window(messages, index, reach)
             known = memo.get(key_of(index, window))
             if (

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import copy
 import json
+import operator
 import re
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
@@ -78,6 +79,16 @@ def _common_prefix(a: str, b: str) -> int:
         else:
             high = middle - 1
     return low
+
+
+def _equal_run(a: Sequence[str], b: Sequence[str]) -> int:
+    """Length of the longest common prefix of two lists of strings (``map`` keeps the loop in C)."""
+    limit = min(len(a), len(b))
+    same = list(map(operator.eq, a[:limit], b[:limit]))
+    return limit if all(same) else same.index(False)
+
+
+_NO_SEGMENTS: tuple[list[str], list[int], list[int], int] = ([], [], [], 0)
 
 
 class _Splitter:
@@ -189,6 +200,84 @@ def _byte_bound(backend: Any) -> str | None:
     return None
 
 
+# Split patterns under which a line start (right after "\n", before a printable ASCII character) is always a
+# pre-token border, whatever text follows: "\n" is matched only by whitespace atoms that end their match
+# (`\s*[\r\n]+`, a trailing `[\r\n]*`), no optional prefix may be a newline, and `\s*[\r\n]+` is tried before
+# `\s+(?!\S)`, so a chunk that ends in "\n" is cut the same alone as followed by the next line. (GPT-2's own
+# pattern lacks that alternative, and o200k's `[\r\n/]*` runs into a following "/": neither is listed.)
+_LINE_SAFE_PATTERNS = frozenset(
+    {
+        # Llama 3
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+        r"|\s+(?!\S)|\s+",
+        # Qwen2 and Qwen3
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+        r"|\s+(?!\S)|\s+",
+        # DeepSeek V3 and later (after its digit and CJK cuts); its file holds real CR and LF characters
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+        "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+        # Qwen3.5
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    }
+)
+# Pieces this long are counted in blocks cut at line starts. Where to cut is decided by the text alone (a line
+# start ends a block when the line before it hashes to 0 modulo _EVERY, about every 8 lines), so the same lines
+# are cut the same wherever they sit: a tool result counted on its own (truncate's cap) and inside its message,
+# the tool schemas before one first user message and another (Llama 3 writes them as one piece), or a long text
+# and its cut-down copy share all blocks but the ones at their ends. One long piece is also tokenized in parallel.
+_SPLIT_AT = 1024
+_EVERY = 8
+_LINE_START = re.compile(r"\n[!-~]")
+
+
+def _line_safe(backend: Any) -> bool:
+    """Whether cutting a piece at line starts leaves its token count unchanged: byte-level BPE, no normaliser
+    or NFC (which composes nothing onto a printable ASCII character), and pre-tokenizers that only cut, one of
+    them a Split with a pattern listed above. Further cuts (digits, CJK runs) only add borders."""
+    try:
+        if type(backend.model).__name__ != "BPE" or getattr(backend.model, "dropout", None):
+            return False
+        pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer is not None else {}
+        normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
+    except Exception:  # not a tokenizers.Tokenizer we can read
+        return False
+    if (
+        normalizer is not None
+        and normalizer.get("type") != "NFC"
+        and normalizer != {"type": "Sequence", "normalizers": []}
+    ):
+        return False
+    steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+    safe = False
+    for step in steps:
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            if step.get("add_prefix_space") or step.get("use_regex", True):
+                return False
+        elif kind == "Split":
+            if step.get("behavior") != "Isolated" or step.get("invert"):
+                return False
+            safe |= (step.get("pattern") or {}).get("Regex") in _LINE_SAFE_PATTERNS
+        else:
+            return False
+    return safe and any(step.get("type") == "ByteLevel" for step in steps)
+
+
+def _blocks(piece: str, every: int = _EVERY) -> list[str]:
+    """``piece`` cut at the line starts chosen by the lines before them (see ``_EVERY``)."""
+    blocks: list[str] = []
+    start = line = 0
+    for found in _LINE_START.finditer(piece):
+        at = found.start() + 1
+        if hash(piece[line:at]) % every == 0:
+            blocks.append(piece[start:at])
+            start = at
+        line = at
+    blocks.append(piece[start:])
+    return blocks
+
+
 class PieceCounter:
     """Counts ``len(tokenizer.encode(text, add_special_tokens=False))`` piece by piece, with a cache."""
 
@@ -209,12 +298,13 @@ class PieceCounter:
                 pattern = (r"\s*" if token.lstrip else "") + re.escape(content) + (r"\s*" if token.rstrip else "")
             patterns.append((content, pattern))
             plain = token.special and not token.lstrip and not token.rstrip
-            if anchor is None and plain and len(backend.encode(content, add_special_tokens=False).ids) == 1:
+            if anchor is None and plain and len(backend.encode(content, add_special_tokens=False)) == 1:
                 anchor = content
         splitter = _Splitter(patterns) if patterns else None
         self._split = splitter.split if splitter is not None else None
         self._starts = splitter.starts if splitter is not None else None
         self._bound = _byte_bound(backend)
+        self.in_blocks = _line_safe(backend)  # long pieces counted block by block (see _BLOCK)
         self._anchor = anchor
         self._after: _Generational[int] = _Generational(cache_entries)
         self._first: _Generational[int] = _Generational(1024)
@@ -237,12 +327,14 @@ class PieceCounter:
         self._last = ""
         self._bounds: list[int] = []
         self._totals: list[int] = []
+        # count_segments' previous call: its non-empty segments, where each chunk starts, the tokens before it, total.
+        self._segmented: tuple[list[str], list[int], list[int], int] = _NO_SEGMENTS
 
     # -- counting --------------------------------------------------------------------------------------------
     def full(self, text: str) -> int:
         """The reference: encode the whole text at once."""
         self.encoded_chars += len(text)
-        return len(self._backend.encode(text, add_special_tokens=False).ids)
+        return len(self._backend.encode(text, add_special_tokens=False))
 
     def count(self, text: str) -> int:
         """Exact token count of ``text`` (no special tokens added); resumes from the previous text's checkpoints
@@ -288,65 +380,86 @@ class PieceCounter:
         Exact: when a segment starts with an added token and the segment before it cannot end inside one (no
         suffix of it is a proper prefix of an added token), no added token of the whole text runs across their
         border, so the whole text's pieces are the two segments' pieces and the counts add up. Other segments are
-        joined with the one before them and counted together."""
+        joined with the one before them and counted together.
+
+        The chunks of the previous call are remembered with the tokens before each: the runs of segments this
+        call shares with it at either end are taken whole, so only the segments in between are looked at."""
         if not self.fast or self._split is None or not self._resumable:
             return self.count("".join(segments))
-        # The newer generation's dicts looked up directly: this loop runs once per message of the prompt.
+        texts = [segment for segment in segments if segment]
+        old, old_starts, old_before, old_total = self._segmented
+        # Chunks [0, resume) and [stop, end) are the previous call's (a chunk border depends only on the two
+        # segments beside it, so one inside a shared run is a border here too).
+        shared = _equal_run(texts, old)
+        kept = bisect.bisect_left(old_starts, shared) - 1  # the last old chunk that starts inside the shared run
+        resume = old_starts[kept] if kept >= 1 else 0
+        starts = old_starts[: kept + 1] if kept >= 1 else []
+        before = old_before[: kept + 1] if kept >= 1 else []
+        total = old_before[kept] if kept >= 1 else 0
+        stop, tail = len(texts), 0
+        shift = len(texts) - len(old)
+        if old and shared < len(texts):
+            ended = _equal_run(texts[::-1], old[::-1])
+            first = bisect.bisect_left(old_starts, len(old) - ended + 1)  # its segment before is shared too
+            if first < len(old_starts) and old_starts[first] + shift > resume:
+                stop, tail = old_starts[first] + shift, old_total - old_before[first]
+        elif old and shared == len(texts) == len(old):
+            return old_total
+        # The chunks in between: (start, text) of each, counted from the cache or in one batch.
         info_of = self._infos._new.get
-        count_of = self._chunks._new.get
-        total = 0
-        chunks: list[tuple[bool, str]] = []  # (is the head, chunk) of the chunks not found in the cache
-        run: list[str] = []
+        found: list[tuple[int, str]] = []
+        begin = resume
         clean = False
-        for segment in segments:
-            if not segment:
-                continue
+        for index in range(resume, stop):
+            segment = texts[index]
             info = info_of(segment) or self._info(segment)
-            if run and not (info[0] and clean):
-                run.append(segment)
-                clean = info[1]
-                continue
-            if run:  # a chunk ends here
-                chunk = run[0] if len(run) == 1 else "".join(run)
-                known = count_of(chunk) if chunks else None  # the head (the first) has a cache of its own
-                if known is None:
-                    chunks.append((not chunks, chunk))
-                else:
-                    total += known
-            run = [segment]
+            if index > begin and info[0] and clean:  # a chunk ends here
+                found.append((begin, texts[begin] if index - begin == 1 else "".join(texts[begin:index])))
+                begin = index
             clean = info[1]
-        if run:
-            chunks.append((not chunks, run[0] if len(run) == 1 else "".join(run)))
-        return total + self._count_chunks(chunks)
+        if begin < stop:
+            found.append((begin, texts[begin] if stop - begin == 1 else "".join(texts[begin:stop])))
+        counts = self._count_chunks([(start == 0, chunk) for start, chunk in found])
+        for (start, _), tokens in zip(found, counts, strict=True):
+            starts.append(start)
+            before.append(total)
+            total += tokens
+        if stop < len(texts):
+            for start, tokens_before in zip(old_starts[first:], old_before[first:], strict=True):
+                starts.append(start + shift)
+                before.append(total + tokens_before - old_before[first])
+            total += tail
+        self._segmented = (texts, starts, before, total)
+        return total
 
-    def _count_chunks(self, chunks: list[tuple[bool, str]]) -> int:
+    def _count_chunks(self, chunks: list[tuple[bool, str]]) -> list[int]:
         """Tokens of each chunk (see :meth:`count_segments`), from the caches or with every new piece tokenized in
         one batch. A head chunk's first piece is counted without the anchor."""
-        total = 0
-        misses: list[tuple[bool, str, list[str]]] = []
+        counts: list[int] = []
+        misses: list[tuple[int, bool, str, list[str]]] = []
         pieces: dict[str, int | None] = {}  # the pieces of the new chunks, with their cached counts
         assert self._split is not None
         for head, chunk in chunks:
             known = (self._heads if head else self._chunks).get(chunk)
+            counts.append(known or 0)
             if known is not None:
-                total += known
                 continue
             parts = self._split(chunk)
-            misses.append((head, chunk, parts))
+            misses.append((len(counts) - 1, head, chunk, parts))
             for piece in parts[2::2]:
                 if piece and piece not in pieces:
                     pieces[piece] = self._after.get(piece)
         new = [piece for piece, n in pieces.items() if n is None]
         if new:
             pieces.update(self._encode_new(new))
-        for head, chunk, parts in misses:
+        for position, head, chunk, parts in misses:
             tokens = len(parts) // 2  # one per added-token match
             if head and parts[0]:  # text before the head's first added token
                 tokens += self._first_piece(parts[0])
             tokens += sum(pieces[piece] or 0 for piece in parts[2::2] if piece)
             (self._heads if head else self._chunks).put(chunk, tokens)
-            total += tokens
-        return total
+            counts[position] = tokens
+        return counts
 
     def _info(self, segment: str) -> tuple[bool, bool]:
         info = self._infos.get(segment)
@@ -367,7 +480,7 @@ class PieceCounter:
     def _first_piece(self, piece: str) -> int:
         cached = self._first.get(piece)
         if cached is None:
-            cached = len(self._backend.encode(piece, add_special_tokens=False).ids)
+            cached = len(self._backend.encode(piece, add_special_tokens=False))
             self.encoded_chars += len(piece)
             self._first.put(piece, cached)
         return cached
@@ -377,7 +490,9 @@ class PieceCounter:
         :meth:`count` is left alone, so counting snippets between prompts costs the prompts nothing."""
         cached = self._alone.get(text)
         if cached is None:
-            cached = len(self._backend.encode(text, add_special_tokens=False).ids)
+            if self.in_blocks and self.fast and len(text) >= _SPLIT_AT:
+                return self.alone_many([text])[0]
+            cached = len(self._backend.encode(text, add_special_tokens=False))
             self.encoded_chars += len(text)
             self._alone.put(text, cached)
         return int(cached)
@@ -407,11 +522,21 @@ class PieceCounter:
         missing = list(dict.fromkeys(t for t in texts if cache.get(t) is None))
         if getattr(self._backend, "padding", None) is not None:  # a batch would be padded: one at a time
             return [self.alone(t) for t in texts]
-        if missing:
+        if missing and self.in_blocks and self.fast and self._split is not None:
+            # Byte-level BPE without a prefix space: a text's first piece counts as any piece after an added
+            # token, so the text is its pieces, and long pieces are their blocks (shared with the prompt's).
+            split = [self._split(text) for text in missing]
+            pieces = {piece: self._after.get(piece) for parts in split for piece in parts[0::2] if piece}
+            new = [piece for piece, n in pieces.items() if n is None]
+            if new:
+                pieces.update(self._encode_new(new))
+            for text, parts in zip(missing, split, strict=True):
+                cache.put(text, len(parts) // 2 + sum(pieces[piece] or 0 for piece in parts[0::2] if piece))
+        elif missing:
             self.encoded_chars += sum(map(len, missing))
             encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
             for text, encoding in zip(missing, encode(missing, add_special_tokens=False), strict=True):
-                cache.put(text, len(encoding.ids))
+                cache.put(text, len(encoding))
         return [self.alone(t) for t in texts]
 
     def _resume_point(self, text: str) -> tuple[int, int, int]:
@@ -430,14 +555,29 @@ class PieceCounter:
 
     def _encode_new(self, pieces: list[str]) -> dict[str, int]:
         unique = list(dict.fromkeys(pieces))
-        self.encoded_chars += sum(len(p) for p in unique)
+        blocks_of: dict[str, list[str]] = {}
+        if self.in_blocks:
+            blocks_of = {piece: _blocks(piece) for piece in unique if len(piece) >= _SPLIT_AT}
+        todo = unique
+        if blocks_of:
+            todo = [piece for piece in unique if piece not in blocks_of]
+            todo.extend(
+                dict.fromkeys(
+                    block for blocks in blocks_of.values() for block in blocks if self._after.get(block) is None
+                )
+            )
+        self.encoded_chars += sum(len(p) for p in todo)
         anchor = self._anchor
         assert anchor is not None
         # Only lengths are needed: the "fast" batch call skips computing character offsets where it exists.
         encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-        encodings = encode([anchor + p for p in unique], add_special_tokens=False)
-        lengths = {p: len(e.ids) - 1 for p, e in zip(unique, encodings, strict=True)}
+        encodings = encode([anchor + p for p in todo], add_special_tokens=False)
+        lengths = {p: len(e) - 1 for p, e in zip(todo, encodings, strict=True)}
         for piece, n in lengths.items():
+            self._after.put(piece, n)
+        for piece, blocks in blocks_of.items():
+            n = sum(lengths[block] if block in lengths else self._after.get(block) or 0 for block in blocks)
+            lengths[piece] = n
             self._after.put(piece, n)
         return lengths
 
@@ -447,6 +587,7 @@ class PieceCounter:
         clone = copy.copy(self)
         clone.encoded_chars = 0
         clone._last, clone._bounds, clone._totals = "", [], []
+        clone._segmented = _NO_SEGMENTS
         return clone
 
     # -- self-check ------------------------------------------------------------------------------------------
@@ -462,6 +603,9 @@ class PieceCounter:
             samples.append(text + token + text + token + " " + text)
             samples.append(token + text + "\n" + token + token + text)
         agree = all(self.count(sample) == self.full(sample) for sample in samples)
+        if self.in_blocks:  # and the block rule on a long text of many lines
+            text = "\n".join(_PROBE_TEXTS * 8)
+            self.in_blocks = sum(map(self.full, _blocks(text, every=1))) == self.full(text)
         self.clear()
         self.fast = agree
         return agree
@@ -475,6 +619,7 @@ class PieceCounter:
         self._alone.clear()
         self.encoded_chars = 0
         self._last, self._bounds, self._totals = "", [], []
+        self._segmented = _NO_SEGMENTS
 
     @property
     def cached_pieces(self) -> int:

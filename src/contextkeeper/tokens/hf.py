@@ -76,7 +76,10 @@ def _parse(source: str) -> jinja2.nodes.Template:
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
     """What transformers hands the template for one message: None values dropped, reasoning aliased."""
-    clean = {k: v for k, v in message.items() if v is not None}
+    # The dicts come new from to_dict or the server view; copied only when a None must go.
+    clean = (
+        message if all(v is not None for v in message.values()) else {k: v for k, v in message.items() if v is not None}
+    )
     reasoning = next((clean[k] for k in _REASONING_FIELDS if k in clean), None)
     if reasoning is not None:
         clean = {"thinking": reasoning, **clean, "reasoning_content": reasoning}
