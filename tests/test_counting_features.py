@@ -157,6 +157,26 @@ def test_media_parts_are_priced_and_marked_as_estimates() -> None:
     assert tight.measure(with_image).media_tokens == 356
 
 
+def test_a_window_that_drops_old_messages_keeps_its_media_at_their_new_places() -> None:
+    # The views of a window that ends like the previous call's list are taken from that call; the indices of
+    # its media parts must follow the messages.
+    def picture(n: int) -> dict[str, Any]:
+        image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{n}iVBORw0KGgo="}}
+        return {"role": "user", "content": [{"type": "text", "text": f"Picture {n}?"}, image]}
+
+    chat: list[dict[str, Any]] = [{"role": "system", "content": "Describe pictures."}]
+    for n in range(6):
+        chat += [picture(n), {"role": "assistant", "content": f"A cat, number {n}."}]
+    counter = counter_for("Qwen-Qwen2.5-7B-Instruct", "qwen2")
+    conversation = ck.Conversation.from_messages(chat)
+    counter.measure(conversation)
+    for drop in (2, 4, 8):
+        window = ck.Conversation.from_messages(conversation.messages[:1] + conversation.messages[1 + drop :])
+        fresh = counter_for("Qwen-Qwen2.5-7B-Instruct", "qwen2")
+        assert counter._view(window) == fresh._view(window)
+        assert counter.measure(window) == fresh.measure(window)
+
+
 def test_known_family_media_rule() -> None:
     rule = ck.tokens.media.media_cost_for("google/gemma-3-4b-it")
     assert rule.image == 256

@@ -24,8 +24,10 @@ from contextkeeper.messages import (
     TextPart,
     ToolCall,
     Unit,
+    _server_view_general,
     raw_view,
     server_view,
+    server_view_message,
 )
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -384,6 +386,50 @@ def test_generated_server_view_is_consistent(messages: list[dict[str, Any]], con
         for call in message.get("tool_calls", ()):
             holder = call.get("function", call)
             assert not isinstance(holder["arguments"], str)
+    # The fast path for plain messages builds the general path's dicts, key order included.
+    for message in Conversation.from_messages(messages):
+        fast = server_view_message(message, content_format=content_format)  # type: ignore[arg-type]
+        assert _ordered(fast) == _ordered(_server_view_general(message, content_format))  # type: ignore[arg-type]
+
+
+def _ordered(value: Any) -> Any:
+    """A value with every dict turned into its list of items, so comparisons see key order."""
+    if isinstance(value, dict):
+        return [(key, _ordered(item)) for key, item in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [_ordered(item) for item in value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "assistant", "content": None, "tool_calls": [openai_call("c1")]},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}}],
+        },
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [1]}}}]},
+        {"role": "assistant", "tool_calls": [{"name": "f", "arguments": {"a": 1}}]},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}, "index": 0}]},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}", "x": 1}}]},
+        {"role": "assistant", "content": "Hi", "tool_calls": [], "reasoning_content": "think", "name": "bot"},
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+        },
+        {"role": "user", "content": "hello", "extra_key": 1},
+        {"role": "system", "content": None},
+    ],
+)
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_the_server_view_fast_path_agrees_with_the_general_one(message: dict[str, Any], content_format: str) -> None:
+    parsed = Message.from_dict(message)
+    fast = server_view_message(parsed, content_format=content_format)  # type: ignore[arg-type]
+    assert _ordered(fast) == _ordered(_server_view_general(parsed, content_format))  # type: ignore[arg-type]
 
 
 _junk_value = st.one_of(

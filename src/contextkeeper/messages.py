@@ -914,8 +914,8 @@ def _parse_arguments(arguments: Any) -> Any:
 # Keys an OpenAI-compatible server passes to the template besides role and content. Reasoning is kept under
 # every name clients use for it (vLLM reads ``reasoning``; DeepSeek-style clients send ``reasoning_content``).
 _SERVER_KEYS = frozenset({"name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content", "thinking"})
-# The string fields among them, in the order of Message's fields.
-_SERVER_FIELDS = tuple(key for key in Message.model_fields if key in _SERVER_KEYS and key != "tool_calls")
+# Those among Message's fields, in their order.
+_SERVER_FIELDS = tuple(key for key in Message.model_fields if key in _SERVER_KEYS)
 
 
 def server_view(
@@ -945,23 +945,52 @@ def server_view(
     return view, removed
 
 
+def _server_calls(calls: list[ToolCall] | None) -> list[dict[str, Any]] | None:
+    """The server's dicts of tool calls in the OpenAI shape with JSON-string arguments and nothing else (``[]``
+    for none), or None for any other call, which the general path handles."""
+    if not calls:
+        return []
+    out: list[dict[str, Any]] = []
+    for call in calls:
+        function = call.function
+        if call._flat or call.__pydantic_extra__ or function.__pydantic_extra__ or type(function.arguments) is not str:
+            return None
+        given = call.model_fields_set  # as model_dump(exclude_unset=True): unset keys are left out
+        item: dict[str, Any] = {}
+        if "id" in given:
+            item["id"] = call.id
+        if "type" in given:
+            item["type"] = call.type
+        item["function"] = {"name": function.name, "arguments": _parse_arguments(function.arguments)}
+        out.append(item)
+    return out
+
+
 def server_view_message(
     message: Message, *, content_format: ContentFormat = "string"
 ) -> tuple[dict[str, Any], list[ContentPart]]:
     """One message of :func:`server_view`: its new plain dict and the non-text parts taken out of it."""
+    given = message.content
     if (
-        type(message.content) is str
-        and message.tool_calls is None
+        (type(given) is str or given is None)
         and not message.__pydantic_extra__
         and (content_format == "string" or message.role == "tool")
+        and (calls := _server_calls(message.tool_calls)) is not None
     ):
-        # Only strings and None (most messages): the dict the general path below builds, key order included.
-        data: dict[str, Any] = {"role": message.role, "content": message.content}
+        # Strings, None and OpenAI-shaped calls (most messages): the dict the general path below builds, key
+        # order included.
+        data: dict[str, Any] = {"role": message.role, "content": given or ""}
         for key in _SERVER_FIELDS:
-            value = getattr(message, key)
-            if value is not None:
+            if key == "tool_calls":
+                if calls:
+                    data[key] = calls
+            elif (value := getattr(message, key)) is not None:
                 data[key] = value
         return data, []
+    return _server_view_general(message, content_format)
+
+
+def _server_view_general(message: Message, content_format: ContentFormat) -> tuple[dict[str, Any], list[ContentPart]]:
     data = _without_none(message.to_dict())
     data.pop("content", None)
     texts: list[str] = []

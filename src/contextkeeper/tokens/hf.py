@@ -258,11 +258,15 @@ class HFChatTemplateCounter:
         # A conversation that grew shares its validated Message objects with the previous call: take their views
         # in one step instead of one cache look-up per message. Identity, not equality: Message(n=1) equals
         # Message(n=True), yet their views render differently.
+        stop = len(messages)
         if shared_prefix(messages, last_messages) == len(last_messages):
             start = len(last_messages)
             plain = list(last_plain)
             media = list(last_media)
-        for index in range(start, len(messages)):
+        elif last_messages:
+            # A window that dropped its oldest messages ends with the previous call's: take those views whole too.
+            stop -= shared_prefix(messages[::-1], last_messages[::-1])
+        for index in range(start, stop):
             message = messages[index]
             entry = cache.get(id(message))
             if entry is None or entry[0] is not message:
@@ -271,7 +275,12 @@ class HFChatTemplateCounter:
                     cache.clear()
                 cache[id(message)] = entry  # the entry holds the message, so its id stays unique
             plain.append(entry[1])
-            media.extend((index, part) for part in entry[2])
+            if entry[2]:
+                media.extend((index, part) for part in entry[2])
+        if stop < len(messages):
+            shift = len(messages) - len(last_messages)
+            plain.extend(last_plain[stop - shift :])
+            media.extend((index + shift, part) for index, part in last_media if index >= stop - shift)
         self._last_view = (messages, plain, media)
         return plain, media
 
