@@ -253,6 +253,7 @@ def test_a_segment_list_changed_in_the_middle_looks_only_at_the_middle() -> None
     assert seen[-1] == [(False, segment) for segment in grown[-2:]]
 
 
+_PRINTABLE = frozenset(chr(c) for c in range(0x21, 0x7F))
 _LINE_SAFE = {"qwen2": True, "llama-bpe": True, "qwen35": True, "deepseek-v4": True, "harmony-on-qwen2": True}
 _LINE_SAFE |= dict.fromkeys(("deepseek-llm", "gemma-4", "llama-spm", "phi-3"), False)
 # Lines as tool results write them, and what sits at a line start or end: whitespace runs before a newline, CRLF,
@@ -275,7 +276,7 @@ def test_a_piece_cut_at_line_starts_counts_the_same_where_the_rule_is_on(
     text = "\n".join(lines)
     blocks = _blocks(text, size)
     assert "".join(blocks) == text
-    assert all(block.startswith(tuple(chr(c) for c in range(0x21, 0x7F))) for block in blocks[1:])
+    assert all(block.lstrip(" \t")[:1] in _PRINTABLE for block in blocks[1:])
     if _LINE_SAFE[vocab]:
         whole = len(backend.encode(text, add_special_tokens=False))
         assert sum(len(backend.encode(block, add_special_tokens=False)) for block in blocks) == whole, blocks
@@ -297,7 +298,7 @@ def test_a_piece_that_extends_another_reuses_its_first_blocks(vocab: str, start:
         before = pieces.encoded_chars
         assert pieces.count(text) == pieces.full(text)
         spent.append(pieces.encoded_chars - before - len(text))  # less what full() encoded
-    assert spent[0] > len(schemas) > 2 * spent[1] > 0, spent
+    assert spent[0] > len(schemas) > 2 * spent[1] > 0, spent  # the schemas' blocks but the last are reused
 
 
 def test_a_segment_that_ends_inside_a_token_is_joined_with_the_next() -> None:

@@ -467,6 +467,8 @@ def _reads_position(body: nodes.Template, parents: dict[int, nodes.Node]) -> boo
 # Private-use characters around a fixed tag; if a message happens to contain it, the cut is refused (count check).
 SENTINEL = "\ue000contextkeeper-body-end\ue001"
 
+_BOOL = frozenset({bool})
+
 _OUTSIDE = object()  # a neighbour index past the end: the template sees Undefined there
 
 
@@ -552,7 +554,7 @@ class IncrementalRenderer:
                 columns = [guard.evaluate(env, scope, count) for guard in guards]
             except Exception:  # the template decides (it may never reach the comparison, or fail clearly)
                 columns = []
-            if len(columns) != len(guards) or any(type(v) is not bool for column in columns for v in column):
+            if len(columns) != len(guards) or not all(_BOOL.issuperset(map(type, column)) for column in columns):
                 assert split.whole is not None
                 return [split.whole.render(context)]
             marks = list(zip(*columns, strict=True))

@@ -19,6 +19,7 @@ import copy
 import json
 import operator
 import re
+import zlib
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -117,10 +118,19 @@ class _Splitter:
         self.starts = re.compile("|".join(f"(?:{r})" for r in regexes)).match  # an added token at offset 0
         # One group (the common case: every token starts with "<"): re.split does it all in C.
         self._single = re.compile("(" + regexes[0] + ")").split if len(regexes) == 1 else None
+        # Several groups without whitespace-swallowing tokens: a text where only one group matches (Qwen's "<"
+        # tokens, with no "[" one) is cut by that group's re.split alone.
+        self._by_group = (
+            None if swallowing else [(re.compile(r).search, re.compile("(" + r + ")").split) for r in regexes]
+        )
 
     def split(self, text: str) -> list[str]:
         if self._single is not None:
             return self._single(text)
+        if self._by_group is not None:
+            found = [cut for search, cut in self._by_group if search(text) is not None]
+            if len(found) <= 1:
+                return found[0](text) if found else [text]
         # Leftmost first; at the same start the longest match wins.
         spans = sorted((m.span() for find in self._finders for m in find(text)), key=lambda s: (s[0], -s[1]))
         parts: list[str] = []
@@ -222,13 +232,15 @@ _LINE_SAFE_PATTERNS = frozenset(
     }
 )
 # Pieces this long are counted in blocks cut at line starts. Where to cut is decided by the text alone (a line
-# start ends a block when the line before it hashes to 0 modulo _EVERY, about every 8 lines), so the same lines
+# start ends a block when the line before it has a CRC-32 of 0 modulo _EVERY, about every 8 lines), so the same lines
 # are cut the same wherever they sit: a tool result counted on its own (truncate's cap) and inside its message,
 # the tool schemas before one first user message and another (Llama 3 writes them as one piece), or a long text
 # and its cut-down copy share all blocks but the ones at their ends. One long piece is also tokenized in parallel.
 _SPLIT_AT = 1024
 _EVERY = 8
-_LINE_START = re.compile(r"\n[!-~]")
+# After "\n", before spaces or tabs and then a printable ASCII character: whitespace that held another newline
+# would be one pre-token with the first ("\n \n" is matched whole by `\s*[\r\n]+`).
+_LINE_START = re.compile(r"\n(?=[ \t]*[!-~])")
 
 
 def _line_safe(backend: Any) -> bool:
@@ -270,7 +282,7 @@ def _blocks(piece: str, every: int = _EVERY) -> list[str]:
     start = line = 0
     for found in _LINE_START.finditer(piece):
         at = found.start() + 1
-        if hash(piece[line:at]) % every == 0:
+        if zlib.crc32(piece[line:at].encode("utf-8", "surrogatepass")) % every == 0:
             blocks.append(piece[start:at])
             start = at
         line = at
