@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import platform
@@ -399,12 +398,10 @@ def measure(
     try:
         for _ in range(repeats):
             method.reset()
-            gc.collect()  # no collection owed by the setup lands in the timed call (every method alike)
             cold = method.run(first)
             colds.append(cold.seconds)
             series = []
             for stop in later:
-                gc.collect()
                 call = method.run(stop)
                 series.append(call.seconds * 1000)
                 calls.append((stop, call))
