@@ -301,6 +301,25 @@ def test_a_piece_that_extends_another_reuses_its_first_blocks(vocab: str, start:
     assert spent[0] > len(schemas) > 2 * spent[1] > 0, spent  # the schemas' blocks but the last are reused
 
 
+def test_padding_or_truncation_left_on_the_callers_tokenizer_changes_no_count() -> None:
+    # transformers leaves a call's padding= / truncation= settings on the shared backend tokenizer.
+    from transformers import AutoTokenizer
+
+    from assets import tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir("qwen2")))
+    chat = [{"role": "user", "content": "A long question about flights and fares. " * 60}]
+    clean = ck.HFChatTemplateCounter(hf_tokenizer("qwen2"), chat_template=template("Qwen-Qwen2.5-7B-Instruct"))
+    expected = clean.count(chat, tools=TOOLS)
+    tokenizer.backend_tokenizer.enable_truncation(max_length=16)
+    tokenizer.backend_tokenizer.enable_padding(length=4096)
+    counter = ck.HFChatTemplateCounter(tokenizer, chat_template=template("Qwen-Qwen2.5-7B-Instruct"))
+    assert counter.count(chat, tools=TOOLS) == expected
+    assert counter.text_tokens("word " * 300) == clean.text_tokens("word " * 300)
+    assert counter.text_tokens_many(["one two", "three " * 400]) == clean.text_tokens_many(["one two", "three " * 400])
+    assert tokenizer.backend_tokenizer.truncation is not None  # the caller's settings are left as they were
+
+
 def test_a_segment_that_ends_inside_a_token_is_joined_with_the_next() -> None:
     backend = hf_tokenizer("qwen2").backend_tokenizer
     pieces = PieceCounter(backend)

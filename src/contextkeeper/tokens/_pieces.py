@@ -210,11 +210,11 @@ def _byte_bound(backend: Any) -> str | None:
     return None
 
 
-# Split patterns under which a line start (right after "\n", before a printable ASCII character) is always a
-# pre-token border, whatever text follows: "\n" is matched only by whitespace atoms that end their match
-# (`\s*[\r\n]+`, a trailing `[\r\n]*`), no optional prefix may be a newline, and `\s*[\r\n]+` is tried before
-# `\s+(?!\S)`, so a chunk that ends in "\n" is cut the same alone as followed by the next line. (GPT-2's own
-# pattern lacks that alternative, and o200k's `[\r\n/]*` runs into a following "/": neither is listed.)
+# Split patterns under which a line start (see _LINE_START) is always a pre-token border, whatever text follows:
+# "\n" is matched only by whitespace atoms that end their match (`\s*[\r\n]+`, a trailing `[\r\n]*`), no
+# optional prefix may be a newline, and `\s*[\r\n]+` is tried before `\s+(?!\S)`, so a chunk that ends in "\n" is
+# cut the same alone as followed by the next line. (GPT-2's own pattern lacks that alternative, and o200k's
+# `[\r\n/]*` runs into a following "/": neither is listed.)
 _LINE_SAFE_PATTERNS = frozenset(
     {
         # Llama 3
@@ -295,6 +295,7 @@ class PieceCounter:
 
     def __init__(self, backend: Any, *, cache_entries: int = 50_000) -> None:
         self._backend = backend  # a tokenizers.Tokenizer
+        self._plain: Any = None  # its copy without padding or truncation, made when needed (see _encoder)
         added = backend.get_added_tokens_decoder()  # id -> AddedToken
         patterns: list[tuple[str, str | None]] = []  # (content, pattern for whitespace-swallowing tokens)
         anchor: str | None = None
@@ -310,13 +311,13 @@ class PieceCounter:
                 pattern = (r"\s*" if token.lstrip else "") + re.escape(content) + (r"\s*" if token.rstrip else "")
             patterns.append((content, pattern))
             plain = token.special and not token.lstrip and not token.rstrip
-            if anchor is None and plain and len(backend.encode(content, add_special_tokens=False)) == 1:
+            if anchor is None and plain and len(self._encoder().encode(content, add_special_tokens=False)) == 1:
                 anchor = content
         splitter = _Splitter(patterns) if patterns else None
         self._split = splitter.split if splitter is not None else None
         self._starts = splitter.starts if splitter is not None else None
         self._bound = _byte_bound(backend)
-        self.in_blocks = _line_safe(backend)  # long pieces counted block by block (see _BLOCK)
+        self.in_blocks = _line_safe(backend)  # long pieces counted block by block (see _SPLIT_AT)
         self._anchor = anchor
         self._after: _Generational[int] = _Generational(cache_entries)
         self._first: _Generational[int] = _Generational(1024)
@@ -343,10 +344,24 @@ class PieceCounter:
         self._segmented: tuple[list[str], list[int], list[int], int] = _NO_SEGMENTS
 
     # -- counting --------------------------------------------------------------------------------------------
+    def _encoder(self) -> Any:
+        """The tokenizer to encode with: the caller's, or a private copy of it while the caller's has padding or
+        truncation switched on (transformers leaves a call's ``padding=``/``truncation=`` on the shared backend,
+        and either would change the lengths)."""
+        backend = self._backend
+        if getattr(backend, "padding", None) is None and getattr(backend, "truncation", None) is None:
+            return backend
+        if self._plain is None:
+            plain = type(backend).from_str(backend.to_str())
+            plain.no_padding()
+            plain.no_truncation()
+            self._plain = plain
+        return self._plain
+
     def full(self, text: str) -> int:
         """The reference: encode the whole text at once."""
         self.encoded_chars += len(text)
-        return len(self._backend.encode(text, add_special_tokens=False))
+        return len(self._encoder().encode(text, add_special_tokens=False))
 
     def count(self, text: str) -> int:
         """Exact token count of ``text`` (no special tokens added); resumes from the previous text's checkpoints
@@ -492,7 +507,7 @@ class PieceCounter:
     def _first_piece(self, piece: str) -> int:
         cached = self._first.get(piece)
         if cached is None:
-            cached = len(self._backend.encode(piece, add_special_tokens=False))
+            cached = len(self._encoder().encode(piece, add_special_tokens=False))
             self.encoded_chars += len(piece)
             self._first.put(piece, cached)
         return cached
@@ -504,7 +519,7 @@ class PieceCounter:
         if cached is None:
             if self.in_blocks and self.fast and len(text) >= _SPLIT_AT:
                 return self.alone_many([text])[0]
-            cached = len(self._backend.encode(text, add_special_tokens=False))
+            cached = len(self._encoder().encode(text, add_special_tokens=False))
             self.encoded_chars += len(text)
             self._alone.put(text, cached)
         return int(cached)
@@ -532,8 +547,6 @@ class PieceCounter:
         """:meth:`alone` of each text; the ones not cached are encoded in one batch (in parallel)."""
         cache = self._alone
         missing = list(dict.fromkeys(t for t in texts if cache.get(t) is None))
-        if getattr(self._backend, "padding", None) is not None:  # a batch would be padded: one at a time
-            return [self.alone(t) for t in texts]
         if missing and self.in_blocks and self.fast and self._split is not None:
             # Byte-level BPE without a prefix space: a text's first piece counts as any piece after an added
             # token, so the text is its pieces, and long pieces are their blocks (shared with the prompt's).
@@ -546,7 +559,8 @@ class PieceCounter:
                 cache.put(text, len(parts) // 2 + sum(pieces[piece] or 0 for piece in parts[0::2] if piece))
         elif missing:
             self.encoded_chars += sum(map(len, missing))
-            encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            encoder = self._encoder()
+            encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
             for text, encoding in zip(missing, encode(missing, add_special_tokens=False), strict=True):
                 cache.put(text, len(encoding))
         return [self.alone(t) for t in texts]
@@ -571,24 +585,23 @@ class PieceCounter:
         if self.in_blocks:
             blocks_of = {piece: _blocks(piece) for piece in unique if len(piece) >= _SPLIT_AT}
         todo = unique
+        known: dict[str, int | None] = {}  # the blocks' cached counts, read once (the cache may turn over below)
         if blocks_of:
+            known = {block: self._after.get(block) for blocks in blocks_of.values() for block in blocks}
             todo = [piece for piece in unique if piece not in blocks_of]
-            todo.extend(
-                dict.fromkeys(
-                    block for blocks in blocks_of.values() for block in blocks if self._after.get(block) is None
-                )
-            )
+            todo.extend(block for block, n in known.items() if n is None)
         self.encoded_chars += sum(len(p) for p in todo)
         anchor = self._anchor
         assert anchor is not None
         # Only lengths are needed: the "fast" batch call skips computing character offsets where it exists.
-        encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+        encoder = self._encoder()
+        encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
         encodings = encode([anchor + p for p in todo], add_special_tokens=False)
         lengths = {p: len(e) - 1 for p, e in zip(todo, encodings, strict=True)}
         for piece, n in lengths.items():
             self._after.put(piece, n)
         for piece, blocks in blocks_of.items():
-            n = sum(lengths[block] if block in lengths else self._after.get(block) or 0 for block in blocks)
+            n = sum(lengths[block] if block in lengths else known[block] or 0 for block in blocks)
             lengths[piece] = n
             self._after.put(piece, n)
         return lengths
