@@ -22,7 +22,15 @@ from typing import Any
 import jinja2.meta
 from jinja2 import Template, nodes
 
-__all__ = ["Guard", "IncrementalRenderer", "LoopState", "SplitTemplate", "shared_prefix", "split_template"]
+__all__ = [
+    "Guard",
+    "IncrementalRenderer",
+    "LoopState",
+    "SplitTemplate",
+    "shared_prefix",
+    "shared_suffix",
+    "split_template",
+]
 
 # What the loop body may ask of ``loop``; the others (length, revindex, cycle, changed, previtem, nextitem) need
 # the whole list or the previous iteration.
@@ -487,15 +495,20 @@ def _window(messages: list[Any], index: int, reach: int) -> tuple[Any, ...]:
 _BATCH = 8
 
 
-def shared_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Length of the longest common prefix of two lists of the very same objects.
+def shared_prefix(a: Sequence[Any], b: Sequence[Any], same: Callable[[Any, Any], bool] = operator.is_) -> int:
+    """Length of the longest common prefix of two lists of the very same objects (``same``: another test).
 
     Identity, not equality: ``{"n": 1} == {"n": True}`` in Python, yet a template renders them differently.
-    ``map(operator.is_, ...)`` keeps the loop in C.
+    ``map(same, ...)`` keeps the loop in C.
     """
     limit = min(len(a), len(b))
-    same = list(map(operator.is_, a[:limit], b[:limit]))
-    return limit if all(same) else same.index(False)
+    equal = list(map(same, a[:limit], b[:limit]))
+    return limit if all(equal) else equal.index(False)
+
+
+def shared_suffix(a: Sequence[Any], b: Sequence[Any], same: Callable[[Any, Any], bool] = operator.is_) -> int:
+    """Length of the longest common suffix (see :func:`shared_prefix`)."""
+    return shared_prefix(a[::-1], b[::-1], same)
 
 
 class IncrementalRenderer:
@@ -603,7 +616,7 @@ class IncrementalRenderer:
                 reuse_to = next(i for i in range(reuse_from, reuse_to) if last_marks[i] != marks[i])
             shift = count - old_count
             if not positional or shift == 0:
-                ended = shared_prefix(messages[::-1], last_messages[::-1])
+                ended = shared_suffix(messages, last_messages)
                 # Not the first body of either list (loop.first), nor one whose window wraps to the list's end.
                 tail_from = min(count, max(count - ended + reach, reach + max(shift, 0), 1 + max(shift, 0), reuse_to))
                 if tail_from < count and guards and last_marks[tail_from - shift :] != marks[tail_from:]:

@@ -23,6 +23,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
+from ._incremental import shared_prefix, shared_suffix
+
 V = TypeVar("V")
 
 __all__ = ["PieceCounter"]
@@ -80,13 +82,6 @@ def _common_prefix(a: str, b: str) -> int:
         else:
             high = middle - 1
     return low
-
-
-def _equal_run(a: Sequence[str], b: Sequence[str]) -> int:
-    """Length of the longest common prefix of two lists of strings (``map`` keeps the loop in C)."""
-    limit = min(len(a), len(b))
-    same = list(map(operator.eq, a[:limit], b[:limit]))
-    return limit if all(same) else same.index(False)
 
 
 _NO_SEGMENTS: tuple[list[str], list[int], list[int], int] = ([], [], [], 0)
@@ -185,20 +180,31 @@ class _Generational(Generic[V]):
 _CUTTING = frozenset({"Split", "ByteLevel", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"})
 
 
-def _byte_bound(backend: Any) -> str | None:
-    """When a text provably has at most as many tokens as UTF-8 bytes: ``"any"`` text, ``"ascii"`` text only,
-    or None (unknown). True for byte-level BPE: every symbol is one byte, a merge only joins symbols, and an
-    added token is one token for at least one character; a normaliser must then not lengthen the text (none
-    does not; NFC leaves ASCII text as it is)."""
-    try:  # the parts' own settings (serialising the whole tokenizer, vocabulary included, takes 0.2 s)
+def _bpe_parts(backend: Any) -> tuple[list[dict[str, Any]], dict[str, Any] | None] | None:
+    """The pre-tokenizer steps and the normaliser of a BPE tokenizer without dropout, or None (another model, or
+    not a tokenizers.Tokenizer we can read). Read from the parts' own settings: serialising the whole tokenizer,
+    vocabulary included, takes 0.2 s."""
+    try:
         model = backend.model
         if type(model).__name__ != "BPE" or getattr(model, "dropout", None):
             return None
         pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer is not None else {}
         normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
-    except Exception:  # not a tokenizers.Tokenizer we can read: no bound
+    except Exception:
         return None
     steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+    return steps, normalizer
+
+
+def _byte_bound(backend: Any) -> str | None:
+    """When a text provably has at most as many tokens as UTF-8 bytes: ``"any"`` text, ``"ascii"`` text only,
+    or None (unknown). True for byte-level BPE: every symbol is one byte, a merge only joins symbols, and an
+    added token is one token for at least one character; a normaliser must then not lengthen the text (none
+    does not; NFC leaves ASCII text as it is)."""
+    parts = _bpe_parts(backend)
+    if parts is None:
+        return None
+    steps, normalizer = parts
     if not any(step.get("type") == "ByteLevel" for step in steps):
         return None
     if any(step.get("type") not in _CUTTING or step.get("add_prefix_space") for step in steps):
@@ -247,20 +253,16 @@ def _line_safe(backend: Any) -> bool:
     """Whether cutting a piece at line starts leaves its token count unchanged: byte-level BPE, no normaliser
     or NFC (which composes nothing onto a printable ASCII character), and pre-tokenizers that only cut, one of
     them a Split with a pattern listed above. Further cuts (digits, CJK runs) only add borders."""
-    try:
-        if type(backend.model).__name__ != "BPE" or getattr(backend.model, "dropout", None):
-            return False
-        pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer is not None else {}
-        normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
-    except Exception:  # not a tokenizers.Tokenizer we can read
+    parts = _bpe_parts(backend)
+    if parts is None:
         return False
+    steps, normalizer = parts
     if (
         normalizer is not None
         and normalizer.get("type") != "NFC"
         and normalizer != {"type": "Sequence", "normalizers": []}
     ):
         return False
-    steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
     safe = False
     for step in steps:
         kind = step.get("type")
@@ -417,7 +419,7 @@ class PieceCounter:
         old, old_starts, old_before, old_total = self._segmented
         # Chunks [0, resume) and [stop, end) are the previous call's (a chunk border depends only on the two
         # segments beside it, so one inside a shared run is a border here too).
-        shared = _equal_run(texts, old)
+        shared = shared_prefix(texts, old, operator.eq)
         kept = bisect.bisect_left(old_starts, shared) - 1  # the last old chunk that starts inside the shared run
         resume = old_starts[kept] if kept >= 1 else 0
         starts = old_starts[: kept + 1] if kept >= 1 else []
@@ -426,7 +428,7 @@ class PieceCounter:
         stop, tail = len(texts), 0
         shift = len(texts) - len(old)
         if old and shared < len(texts):
-            ended = _equal_run(texts[::-1], old[::-1])
+            ended = shared_suffix(texts, old, operator.eq)
             first = bisect.bisect_left(old_starts, len(old) - ended + 1)  # its segment before is shared too
             if first < len(old_starts) and old_starts[first] + shift > resume:
                 stop, tail = old_starts[first] + shift, old_total - old_before[first]
@@ -464,29 +466,34 @@ class PieceCounter:
         one batch. A head chunk's first piece is counted without the anchor."""
         counts: list[int] = []
         misses: list[tuple[int, bool, str, list[str]]] = []
-        pieces: dict[str, int | None] = {}  # the pieces of the new chunks, with their cached counts
         assert self._split is not None
         for head, chunk in chunks:
             known = (self._heads if head else self._chunks).get(chunk)
             counts.append(known or 0)
-            if known is not None:
-                continue
-            parts = self._split(chunk)
-            misses.append((len(counts) - 1, head, chunk, parts))
-            for piece in parts[2::2]:
+            if known is None:
+                misses.append((len(counts) - 1, head, chunk, self._split(chunk)))
+        found = self._cut_tokens([parts for _, _, _, parts in misses], first=False)
+        for (position, head, chunk, parts), tokens in zip(misses, found, strict=True):
+            if head and parts[0]:  # text before the head's first added token
+                tokens += self._first_piece(parts[0])
+            (self._heads if head else self._chunks).put(chunk, tokens)
+            counts[position] = tokens
+        return counts
+
+    def _cut_tokens(self, cuts: list[list[str]], *, first: bool) -> list[int]:
+        """Tokens of texts already cut at added tokens (``re.split`` shape): one per match plus each piece's count
+        after an added token, the new pieces tokenized in one batch. The text before the first match is counted
+        too when ``first``, which is right only where it counts as it would after an added token."""
+        start = 0 if first else 2
+        pieces: dict[str, int | None] = {}  # the pieces, with their cached counts
+        for parts in cuts:
+            for piece in parts[start::2]:
                 if piece and piece not in pieces:
                     pieces[piece] = self._after.get(piece)
         new = [piece for piece, n in pieces.items() if n is None]
         if new:
             pieces.update(self._encode_new(new))
-        for position, head, chunk, parts in misses:
-            tokens = len(parts) // 2  # one per added-token match
-            if head and parts[0]:  # text before the head's first added token
-                tokens += self._first_piece(parts[0])
-            tokens += sum(pieces[piece] or 0 for piece in parts[2::2] if piece)
-            (self._heads if head else self._chunks).put(chunk, tokens)
-            counts[position] = tokens
-        return counts
+        return [len(parts) // 2 + sum(pieces[piece] or 0 for piece in parts[start::2] if piece) for parts in cuts]
 
     def _info(self, segment: str) -> tuple[bool, bool]:
         info = self._infos.get(segment)
@@ -550,13 +557,9 @@ class PieceCounter:
         if missing and self.in_blocks and self.fast and self._split is not None:
             # Byte-level BPE without a prefix space: a text's first piece counts as any piece after an added
             # token, so the text is its pieces, and long pieces are their blocks (shared with the prompt's).
-            split = [self._split(text) for text in missing]
-            pieces = {piece: self._after.get(piece) for parts in split for piece in parts[0::2] if piece}
-            new = [piece for piece, n in pieces.items() if n is None]
-            if new:
-                pieces.update(self._encode_new(new))
-            for text, parts in zip(missing, split, strict=True):
-                cache.put(text, len(parts) // 2 + sum(pieces[piece] or 0 for piece in parts[0::2] if piece))
+            found = self._cut_tokens([self._split(text) for text in missing], first=True)
+            for text, tokens in zip(missing, found, strict=True):
+                cache.put(text, tokens)
         elif missing:
             self.encoded_chars += sum(map(len, missing))
             encoder = self._encoder()

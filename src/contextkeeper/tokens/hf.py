@@ -15,7 +15,7 @@ import jinja2.nodes
 
 from .._exceptions import ChatTemplateError
 from ..messages import ContentPart, Conversation, Message, server_view_message
-from ._incremental import IncrementalRenderer, SplitTemplate, shared_prefix, split_template
+from ._incremental import IncrementalRenderer, SplitTemplate, shared_prefix, shared_suffix, split_template
 from ._pieces import PieceCounter
 from ._sandbox import FROZEN_JSON, compile_template, same_values
 from .base import Measurement, MessagesLike, ToolsLike
@@ -265,7 +265,7 @@ class HFChatTemplateCounter:
             media = list(last_media)
         elif last_messages:
             # A window that dropped its oldest messages ends with the previous call's: take those views whole too.
-            stop -= shared_prefix(messages[::-1], last_messages[::-1])
+            stop -= shared_suffix(messages, last_messages)
         for index in range(start, stop):
             message = messages[index]
             entry = cache.get(id(message))
