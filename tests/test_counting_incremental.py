@@ -301,6 +301,20 @@ def test_a_piece_that_extends_another_reuses_its_first_blocks(vocab: str, start:
     assert spent[0] > len(schemas) > 2 * spent[1] > 0, spent  # the schemas' blocks but the last are reused
 
 
+@pytest.mark.parametrize("first", ["2026-11-25T07:51:00Z WARN retry budget exhausted for the shipment job", "{"])
+def test_a_tool_result_counted_alone_reuses_its_blocks_in_the_prompt_but_its_last_line(first: str) -> None:
+    # truncate's cap counts a result on its own; the prompt holds it between a lead-in and a closing tag.
+    pieces = PieceCounter(hf_tokenizer("qwen2").backend_tokenizer)
+    lines = [first, *(f'  "row {i}": {{"id": {i * 7919 % 10007}, "status": "queued for review"}},' for i in range(90))]
+    result = "\n".join([*lines, "}"])
+    prompt = f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
+    assert pieces.count(prompt) == pieces.full(prompt)
+    before = pieces.encoded_chars
+    assert pieces.alone_many([result]) == [pieces.full(result)]
+    spent = pieces.encoded_chars - before - len(result)  # less what full() encoded
+    assert 0 < spent <= len(lines[-1]) + 2, spent
+
+
 def test_padding_or_truncation_left_on_the_callers_tokenizer_changes_no_count() -> None:
     # transformers leaves a call's padding= / truncation= settings on the shared backend tokenizer.
     from transformers import AutoTokenizer

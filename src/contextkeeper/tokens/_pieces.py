@@ -242,8 +242,13 @@ _LINE_SAFE_PATTERNS = frozenset(
 # are cut the same wherever they sit: a tool result counted on its own (truncate's cap) and inside its message,
 # the tool schemas before one first user message and another (Llama 3 writes them as one piece), or a long text
 # and its cut-down copy share all blocks but the ones at their ends. One long piece is also tokenized in parallel.
+# More cuts keep those end blocks small: at every line start in a piece's first _LEAD characters (a template's
+# lead-in such as "user\n<tool_response>\n" is cut off, so the text after it is cut as it is on its own), and at
+# every line start in its last _LEAD characters plus the one before them (a template's closing text such as
+# "\n</tool_response>" is cut off, and so is the text's own last line, which differs by the newline after it).
 _SPLIT_AT = 1024
 _EVERY = 8
+_LEAD = 32
 # After "\n", before spaces or tabs and then a printable ASCII character: whitespace that held another newline
 # would be one pre-token with the first ("\n \n" is matched whole by `\s*[\r\n]+`).
 _LINE_START = re.compile(r"\n(?=[ \t]*[!-~])")
@@ -279,12 +284,15 @@ def _line_safe(backend: Any) -> bool:
 
 
 def _blocks(piece: str, every: int = _EVERY) -> list[str]:
-    """``piece`` cut at the line starts chosen by the lines before them (see ``_EVERY``)."""
+    """``piece`` cut at the line starts chosen by the lines before them (see ``_EVERY``), at those in its first
+    and last ``_LEAD`` characters, and at the last one before its last ``_LEAD`` characters."""
+    starts = [found.start() + 1 for found in _LINE_START.finditer(piece)]
+    tail = len(piece) - _LEAD
+    last = bisect.bisect_right(starts, tail) - 1  # the last line start before the tail (its lines are cut too)
     blocks: list[str] = []
     start = line = 0
-    for found in _LINE_START.finditer(piece):
-        at = found.start() + 1
-        if zlib.crc32(piece[line:at].encode("utf-8", "surrogatepass")) % every == 0:
+    for index, at in enumerate(starts):
+        if at <= _LEAD or index >= last or zlib.crc32(piece[line:at].encode("utf-8", "surrogatepass")) % every == 0:
             blocks.append(piece[start:at])
             start = at
         line = at
