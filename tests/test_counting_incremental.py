@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import contextkeeper as ck
 from assets import template
 from conftest import hf_tokenizer
-from contextkeeper.tokens._pieces import PieceCounter, _blocks, _line_safe
+from contextkeeper.tokens._pieces import PieceCounter, _blocks, _line_safe, _word_rule
 from conversations import TOOLS, call
 
 FAMILIES = [
@@ -122,7 +122,8 @@ def test_a_new_turn_costs_its_own_text() -> None:
     spent = counter.encoded_chars - before
     new_text = sum(len(m["content"]) for m in new_turn)
     assert spent <= new_text + 200, (spent, new_text)  # the new pieces plus their role headers
-    assert spent < history_chars / 50
+    # ASCII text is tokenized by distinct pre-tokens: the 60 turns cost their distinct words and signs once.
+    assert 0 < spent < history_chars < sum(len(str(m.get("content") or "")) for m in messages) / 20
 
 
 def test_counting_a_kept_window_tokenizes_nothing_new() -> None:
@@ -291,7 +292,8 @@ def test_a_piece_that_extends_another_reuses_its_first_blocks(vocab: str, start:
     # the schemas again.
     pieces = PieceCounter(hf_tokenizer(vocab).backend_tokenizer)
     assert pieces.in_blocks
-    schemas = "Given the following functions:\n\n" + json.dumps(TOOLS, indent=4) + "\n\n"
+    # Not ASCII on any line, so every block is tokenized (ASCII text goes by pre-tokens, see the next tests).
+    schemas = "Given the following functions:\n\n" + json.dumps(TOOLS, indent=4).replace("\n", " ·\n") + "\n\n"
     spent = []
     for question in ("What is the weather in Paris?", "And in Rome, tomorrow?"):
         text = f"{start}user{end}{schemas}{question}{end}"
@@ -301,11 +303,12 @@ def test_a_piece_that_extends_another_reuses_its_first_blocks(vocab: str, start:
     assert spent[0] > len(schemas) > 2 * spent[1] > 0, spent  # the schemas' blocks but the last are reused
 
 
-@pytest.mark.parametrize("first", ["2026-11-25T07:51:00Z WARN retry budget exhausted for the shipment job", "{"])
+@pytest.mark.parametrize("first", ["2026-11-25T07:51:00Z WARN retry budget exhausted — shipment job", "{"])
 def test_a_tool_result_counted_alone_reuses_its_blocks_in_the_prompt_but_its_last_line(first: str) -> None:
     # truncate's cap counts a result on its own; the prompt holds it between a lead-in and a closing tag.
     pieces = PieceCounter(hf_tokenizer("qwen2").backend_tokenizer)
-    lines = [first, *(f'  "row {i}": {{"id": {i * 7919 % 10007}, "status": "queued for review"}},' for i in range(90))]
+    rows = (f'  "row {i}": {{"id": {i * 7919 % 10007}, "status": "queued — for review"}},' for i in range(90))
+    lines = [first, *rows]
     result = "\n".join([*lines, "}"])
     prompt = f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
     assert pieces.count(prompt) == pieces.full(prompt)
@@ -313,6 +316,44 @@ def test_a_tool_result_counted_alone_reuses_its_blocks_in_the_prompt_but_its_las
     assert pieces.alone_many([result]) == [pieces.full(result)]
     spent = pieces.encoded_chars - before - len(result)  # less what full() encoded
     assert 0 < spent <= len(lines[-1]) + 2, spent
+
+
+_WORDS = {"qwen2": True, "llama-bpe": True, "qwen35": True, "harmony-on-qwen2": True}
+_WORDS |= dict.fromkeys(("deepseek-v4", "deepseek-llm", "gemma-4", "llama-spm", "phi-3"), False)
+# ASCII text, every character possible, with more of what pre-tokens are cut at: whitespace runs (also VT, FF and
+# the separators Python counts as whitespace but the tokenizer does not), contractions, digit runs, punctuation.
+_ascii = st.lists(
+    st.characters(min_codepoint=0, max_codepoint=127)
+    | st.sampled_from([" ", "  ", "\n", "\r\n", "\t", "\x0b", "\x0c", "\x1c", "'s", "'LL", "'t", "1234567", "x", "Ab"])
+    | st.sampled_from(["<|im_end|>", "<|eot_id|>", "\n\n  ", " -> ", "}}\n", "'", "::"]),
+    max_size=40,
+).map("".join)
+
+
+@pytest.mark.parametrize("vocab", sorted(_WORDS))
+@settings(max_examples=150, deadline=None)
+@given(text=_ascii)
+def test_ascii_counted_by_pre_tokens_equals_the_tokenizer_where_the_rule_is_on(vocab: str, text: str) -> None:
+    backend = hf_tokenizer(vocab).backend_tokenizer
+    assert (_word_rule(backend) is not None) is _WORDS[vocab]
+    pieces = PieceCounter(backend)
+    pieces.verify()
+    assert (pieces._words is not None) is _WORDS[vocab]
+    whole = len(backend.encode(text, add_special_tokens=False))
+    assert pieces.count(text) == whole
+    assert pieces.alone(text) == whole
+    if _WORDS[vocab] and "<|" not in text:
+        assert pieces._by_words([text]) == [whole]
+
+
+def test_a_repeated_pre_token_is_encoded_once() -> None:
+    pieces = PieceCounter(hf_tokenizer("llama-bpe").backend_tokenizer)
+    rows = "\n".join(f'{{"id": {i}, "status": "queued for review"}}' for i in range(200))
+    assert pieces.alone(rows) == pieces.full(rows)
+    spent = pieces.encoded_chars - len(rows)  # less what full() encoded
+    assert 0 < spent < len(rows) / 10, spent  # the distinct pre-tokens only: 200 ids, a few words and signs
+    assert pieces.alone(rows.replace("queued", "parked")) == pieces.full(rows.replace("queued", "parked"))
+    assert pieces.encoded_chars - 2 * len(rows) - spent == len("parked")  # the one new pre-token
 
 
 def test_padding_or_truncation_left_on_the_callers_tokenizer_changes_no_count() -> None:

@@ -529,25 +529,37 @@ class ContextKeeper:
             system, history, request = self._units(conversation, sticky, sys_end, horizon, last_user)
 
         counted: dict[tuple[int, ...], tuple[tuple[Unit, ...], int]] = {}
+        # The same, by the tuple itself: a state's own history, asked for again, is found without a pass over its
+        # units (tuples only: a list may change between two calls). The entry holds the tuple, so its id is not
+        # reused while it lives.
+        by_object: dict[int, tuple[tuple[Unit, ...], int]] = {}
+
+        def known(units: Sequence[Unit]) -> int | None:
+            hit = by_object.get(id(units))
+            if hit is not None and hit[0] is units:
+                return hit[1]
+            entry = counted.get(tuple(map(id, units)))
+            if entry is None or shared_prefix(entry[0], units) != len(units):
+                return None
+            if type(units) is tuple:
+                by_object[id(units)] = (units, entry[1])
+            return entry[1]
 
         def count(units: Sequence[Unit]) -> int:
             # Strategies and triggers ask for the same history more than once: count each distinct one once. The
             # entry holds the units, so their ids cannot be reused by other tuples while it lives.
             if not units:
                 return base_tokens()
-            key = tuple(map(id, units))
-            entry = counted.get(key)
-            if entry is not None and shared_prefix(entry[0], units) == len(units):
-                return entry[1]
-            tokens = int(self.counter.count(_assemble((system, *units, request)), tools=tool_list))
-            counted[key] = (tuple(units), tokens)
+            tokens = known(units)
+            if tokens is None:
+                tokens = int(self.counter.count(_assemble((system, *units, request)), tools=tool_list))
+                counted[tuple(map(id, units))] = (tuple(units), tokens)
+                if type(units) is tuple:
+                    by_object[id(units)] = (units, tokens)
             return tokens
 
         def peek(units: Sequence[Unit]) -> int | None:
-            if not units:
-                return fixed[0]
-            entry = counted.get(tuple(map(id, units)))
-            return entry[1] if entry is not None and shared_prefix(entry[0], units) == len(units) else None
+            return fixed[0] if not units else known(units)
 
         prompt_limit = self.limit - answer
         compacted: tuple[Action, ...] = ()

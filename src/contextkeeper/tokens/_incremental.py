@@ -502,6 +502,8 @@ def shared_prefix(a: Sequence[Any], b: Sequence[Any], same: Callable[[Any, Any],
     ``map(same, ...)`` keeps the loop in C.
     """
     limit = min(len(a), len(b))
+    if limit and same(a[limit - 1], b[limit - 1]) and all(map(same, a[:limit], b[:limit])):
+        return limit  # the usual answer, found in one pass that builds nothing
     equal = list(map(same, a[:limit], b[:limit]))
     return limit if all(equal) else equal.index(False)
 

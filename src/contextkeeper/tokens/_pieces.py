@@ -7,9 +7,14 @@ is encoded the way it is encoded after an added token — except the piece at th
 some SentencePiece tokenizers prefix with a space. We count every distinct piece once and remember it, so a
 long conversation costs its new pieces only.
 
-The rule is checked against the tokenizer itself when the counter is built (``PieceCounter.verify``); a
-tokenizer that breaks it (for example added tokens matched on normalised text) is counted by encoding the
-whole text instead — slower, never wrong.
+Two finer rules apply to byte-level BPE tokenizers with the Llama 3, Qwen2/Qwen3 or Qwen3.5 split pattern:
+a long piece is counted in blocks cut at line starts (every line start is a pre-token border there), and an
+ASCII piece is cut into pre-tokens by our own regex, each distinct pre-token encoded once by the BPE model
+(``_word_rule``): the tokenizer's own work per pre-token, without its per-call overhead.
+
+Each rule is checked against the tokenizer itself when the counter is built (``PieceCounter.verify``); a
+tokenizer that breaks one (for example added tokens matched on normalised text) is counted without it —
+slower, never wrong.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ _PROBE_TEXTS = (
     "\t tab and\r\ncarriage",
     "",
     "x",
+)
+# Every ASCII character, and the whitespace, contraction and digit runs the pre-token rule must cut alike.
+_ASCII_PROBE = "".join(map(chr, range(128))) + (
+    " I'LL  don't\t\n \n\r\n  x12345 y  \x0b\x0c z \x1c\x1d\x1e\x1f w   \n\n\t  '  's 'S 3.14159 -- ~/a/b  "
 )
 
 
@@ -221,20 +230,26 @@ def _byte_bound(backend: Any) -> str | None:
 # optional prefix may be a newline, and `\s*[\r\n]+` is tried before `\s+(?!\S)`, so a chunk that ends in "\n" is
 # cut the same alone as followed by the next line. (GPT-2's own pattern lacks that alternative, and o200k's
 # `[\r\n/]*` runs into a following "/": neither is listed.)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (  # Qwen2 and Qwen3
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LINE_SAFE_PATTERNS = frozenset(
     {
-        # Llama 3
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-        r"|\s+(?!\S)|\s+",
-        # Qwen2 and Qwen3
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-        r"|\s+(?!\S)|\s+",
+        _LLAMA3_SPLIT,
+        _QWEN2_SPLIT,
+        _QWEN35_SPLIT,
         # DeepSeek V3 and later (after its digit and CJK cuts); its file holds real CR and LF characters
         "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
         "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
-        # Qwen3.5
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-        r"|\s*[\r\n]+|\s+(?!\S)|\s+",
     }
 )
 # Pieces this long are counted in blocks cut at line starts. Where to cut is decided by the text alone (a line
@@ -300,6 +315,55 @@ def _blocks(piece: str, every: int = _EVERY) -> list[str]:
     return blocks
 
 
+# ASCII pieces under the Split patterns below are cut into pre-tokens by this module's own regex (the pattern's
+# classes written out for ASCII: letters A-Z a-z, digits 0-9, and what the tokenizer's `\s` matches there: tab,
+# LF, VT, FF, CR and space), and each distinct pre-token is encoded once, by the BPE model itself: that is what
+# the tokenizer does per pre-token. What it does on top (its own regex engine, byte alignments, an encoding object
+# per piece) is most of the time of counting a long prompt.
+_S = "\t\n\x0b\x0c\r "
+_ASCII_WORDS = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|{digits}| ?[^" + _S + "A-Za-z0-9]+[\r\n]*"
+    "|[" + _S + "]*[\r\n]+|[" + _S + "]+(?![^" + _S + "])|[" + _S + "]+"
+)
+_WORD_PATTERNS = {
+    _LLAMA3_SPLIT: _ASCII_WORDS.format(digits="[0-9]{1,3}"),
+    _QWEN2_SPLIT: _ASCII_WORDS.format(digits="[0-9]"),
+    _QWEN35_SPLIT: _ASCII_WORDS.format(digits="[0-9]"),  # no ASCII character is a mark (\p{M})
+}
+
+
+def _byte_symbols() -> dict[int, str]:
+    """Byte-level BPE's symbol for each ASCII byte, as a ``str.translate`` table: printable characters stand for
+    themselves, the other bytes are numbered from U+0100 in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {byte: chr(0x100 + others.index(byte)) for byte in range(128) if byte not in printable}
+
+
+_BYTE_SYMBOLS = _byte_symbols()
+
+
+def _word_rule(backend: Any) -> re.Pattern[str] | None:
+    """The pre-token regex for ASCII pieces, or None: only for byte-level BPE whose one cut is a Split with a
+    pattern listed above (kept whole, not inverted), then ByteLevel without its prefix space or its own regex,
+    and no normaliser but NFC (which leaves ASCII text as it is)."""
+    parts = _bpe_parts(backend)
+    if parts is None:
+        return None
+    steps, normalizer = parts
+    if normalizer not in (None, {"type": "NFC"}, {"type": "Sequence", "normalizers": []}):
+        return None
+    if [step.get("type") for step in steps] != ["Split", "ByteLevel"]:
+        return None
+    split, level = steps
+    if split.get("behavior") != "Isolated" or split.get("invert"):
+        return None
+    if level.get("add_prefix_space") or level.get("use_regex", True):
+        return None
+    pattern = _WORD_PATTERNS.get(str((split.get("pattern") or {}).get("Regex")))
+    return re.compile(pattern) if pattern is not None else None
+
+
 class PieceCounter:
     """Counts ``len(tokenizer.encode(text, add_special_tokens=False))`` piece by piece, with a cache."""
 
@@ -328,6 +392,8 @@ class PieceCounter:
         self._starts = splitter.starts if splitter is not None else None
         self._bound = _byte_bound(backend)
         self.in_blocks = _line_safe(backend)  # long pieces counted block by block (see _SPLIT_AT)
+        self._words = _word_rule(backend)  # ASCII pieces counted by pre-tokens (see _word_rule)
+        self._word_tokens: _Generational[int] = _Generational(cache_entries)
         self._anchor = anchor
         self._after: _Generational[int] = _Generational(cache_entries)
         self._first: _Generational[int] = _Generational(1024)
@@ -532,7 +598,7 @@ class PieceCounter:
         :meth:`count` is left alone, so counting snippets between prompts costs the prompts nothing."""
         cached = self._alone.get(text)
         if cached is None:
-            if self.in_blocks and self.fast and len(text) >= _SPLIT_AT:
+            if self.fast and ((self.in_blocks and len(text) >= _SPLIT_AT) or (self._words and text.isascii())):
                 return self.alone_many([text])[0]
             cached = len(self._encoder().encode(text, add_special_tokens=False))
             self.encoded_chars += len(text)
@@ -562,7 +628,7 @@ class PieceCounter:
         """:meth:`alone` of each text; the ones not cached are encoded in one batch (in parallel)."""
         cache = self._alone
         missing = list(dict.fromkeys(t for t in texts if cache.get(t) is None))
-        if missing and self.in_blocks and self.fast and self._split is not None:
+        if missing and (self.in_blocks or self._words) and self.fast and self._split is not None:
             # Byte-level BPE without a prefix space: a text's first piece counts as any piece after an added
             # token, so the text is its pieces, and long pieces are their blocks (shared with the prompt's).
             found = self._cut_tokens([self._split(text) for text in missing], first=True)
@@ -592,23 +658,37 @@ class PieceCounter:
 
     def _encode_new(self, pieces: list[str]) -> dict[str, int]:
         unique = list(dict.fromkeys(pieces))
+        words = self._words
+        # ASCII pieces are counted by their pre-tokens (see _word_rule); long other pieces by blocks, whose ASCII
+        # blocks are counted by pre-tokens again.
         blocks_of: dict[str, list[str]] = {}
         if self.in_blocks:
-            blocks_of = {piece: _blocks(piece) for piece in unique if len(piece) >= _SPLIT_AT}
+            blocks_of = {
+                piece: _blocks(piece)
+                for piece in unique
+                if len(piece) >= _SPLIT_AT and (words is None or not piece.isascii())
+            }
         todo = unique
         known: dict[str, int | None] = {}  # the blocks' cached counts, read once (the cache may turn over below)
         if blocks_of:
             known = {block: self._after.get(block) for blocks in blocks_of.values() for block in blocks}
             todo = [piece for piece in unique if piece not in blocks_of]
             todo.extend(block for block, n in known.items() if n is None)
-        self.encoded_chars += sum(len(p) for p in todo)
-        anchor = self._anchor
-        assert anchor is not None
-        # Only lengths are needed: the "fast" batch call skips computing character offsets where it exists.
-        encoder = self._encoder()
-        encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
-        encodings = encode([anchor + p for p in todo], add_special_tokens=False)
-        lengths = {p: len(e) - 1 for p, e in zip(todo, encodings, strict=True)}
+        lengths: dict[str, int] = {}
+        if words is not None:
+            plain = [piece for piece in todo if piece.isascii()]
+            if plain:
+                lengths.update(zip(plain, self._by_words(plain), strict=True))
+                todo = [piece for piece in todo if not piece.isascii()]
+        if todo:
+            self.encoded_chars += sum(len(p) for p in todo)
+            anchor = self._anchor
+            assert anchor is not None
+            # Only lengths are needed: the "fast" batch call skips computing character offsets where it exists.
+            encoder = self._encoder()
+            encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
+            encodings = encode([anchor + p for p in todo], add_special_tokens=False)
+            lengths.update((p, len(e) - 1) for p, e in zip(todo, encodings, strict=True))
         for piece, n in lengths.items():
             self._after.put(piece, n)
         for piece, blocks in blocks_of.items():
@@ -616,6 +696,29 @@ class PieceCounter:
             lengths[piece] = n
             self._after.put(piece, n)
         return lengths
+
+    def _by_words(self, texts: list[str]) -> list[int]:
+        """Tokens of ASCII pieces: the sum of their pre-tokens' counts, each distinct pre-token encoded once (and
+        remembered) by the BPE model, as the tokenizer encodes every pre-token."""
+        assert self._words is not None
+        split = list(map(self._words.findall, texts))
+        cache = self._word_tokens
+        counts: dict[str, int] = {}
+        new: list[str] = []
+        for word in set().union(*split):
+            n = cache.get(word)
+            if n is None:
+                new.append(word)
+            else:
+                counts[word] = n
+        if new:
+            self.encoded_chars += sum(map(len, new))
+            tokenize = self._backend.model.tokenize
+            for word in new:
+                n = counts[word] = len(tokenize(word.translate(_BYTE_SYMBOLS)))
+                cache.put(word, n)
+        get = counts.__getitem__
+        return [sum(map(get, words)) for words in split]
 
     def fork(self) -> PieceCounter:
         """A counter sharing this one's piece caches (counts depend only on the piece text) with resume state of
@@ -628,9 +731,14 @@ class PieceCounter:
 
     # -- self-check ------------------------------------------------------------------------------------------
     def verify(self) -> bool:
-        """Check the piece rule against whole-text encoding on probe texts; switch it off if it fails."""
+        """Check the piece rule against whole-text encoding on probe texts; switch it off if it fails. The block
+        and pre-token rules are checked on probes of their own, and switched off alone."""
         if not self.fast:
             return False
+        if self._words is not None:
+            probes = [text for text in (*_PROBE_TEXTS, _ASCII_PROBE) if text.isascii()]
+            if self._by_words(probes) != list(map(self.full, probes)):
+                self._words = None
         added = [t.content for t in self._backend.get_added_tokens_decoder().values() if t.content]
         specials = added[:64] + added[-64:]
         samples: list[str] = []
@@ -647,6 +755,7 @@ class PieceCounter:
         return agree
 
     def clear(self) -> None:
+        self._word_tokens.clear()
         self._chunks.clear()
         self._heads.clear()
         self._infos.clear()
