@@ -25,8 +25,8 @@ import json
 import operator
 import re
 import zlib
-from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar, cast
 
 from ._incremental import shared_prefix, shared_suffix
 
@@ -703,21 +703,15 @@ class PieceCounter:
         assert self._words is not None
         split = list(map(self._words.findall, texts))
         cache = self._word_tokens
-        counts: dict[str, int] = {}
-        new: list[str] = []
-        for word in set().union(*split):
-            n = cache.get(word)
-            if n is None:
-                new.append(word)
-            else:
-                counts[word] = n
+        counts: dict[str, int | None] = {word: cache.get(word) for word in set().union(*split)}
+        new = [word for word, n in counts.items() if n is None]
         if new:
             self.encoded_chars += sum(map(len, new))
             tokenize = self._backend.model.tokenize
             for word in new:
                 n = counts[word] = len(tokenize(word.translate(_BYTE_SYMBOLS)))
                 cache.put(word, n)
-        get = counts.__getitem__
+        get = cast(Callable[[str], int], counts.__getitem__)  # every value is set by now
         return [sum(map(get, words)) for words in split]
 
     def fork(self) -> PieceCounter:
