@@ -12,6 +12,7 @@ caller as their own objects.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
@@ -52,8 +53,8 @@ class Item:
     origin: int | None = None
     source: Message | None = None  # for a rewrite: the message it was made from (see FitState.reuse)
 
-    @property
-    def role(self) -> str:
+    @functools.cached_property
+    def role(self) -> str:  # asked for on every pass over the history: kept once read
         return str(self.message.role)
 
     def text(self) -> str:
