@@ -408,7 +408,9 @@ class PieceCounter:
         self._prefixes = frozenset(c[:i] for c in contents for i in range(1, len(c)))
         self._first_chars = frozenset(c[0] for c in contents)
         self.fast = self._split is not None and anchor is not None and not self.has_single_word
-        self.encoded_chars = 0  # characters sent to the tokenizer so far: what caching saves is visible here
+        # Characters sent to the tokenizer so far (for ASCII text under the pre-token rule: the new pre-tokens
+        # handed to its BPE model): what caching saves is visible here.
+        self.encoded_chars = 0
         # The previous text and its checkpoints, for resuming; off when tokens swallow whitespace, since such a
         # match has no bounded length.
         self._longest = max((len(content) for content, _ in patterns), default=0)

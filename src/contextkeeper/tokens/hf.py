@@ -407,7 +407,8 @@ class HFChatTemplateCounter:
 
     @property
     def encoded_chars(self) -> int:
-        """Characters handed to the tokenizer so far; cached pieces cost nothing here."""
+        """Characters handed to the tokenizer so far (under the pre-token rule, those of new pre-tokens); cached
+        pieces cost nothing here."""
         return self._pieces.encoded_chars if self._pieces is not None else 0
 
     @property
