@@ -269,33 +269,33 @@ _LEAD = 32
 _LINE_START = re.compile(r"\n(?=[ \t]*[!-~])")
 
 
-def _line_safe(backend: Any) -> bool:
-    """Whether cutting a piece at line starts leaves its token count unchanged: byte-level BPE, no normaliser
-    or NFC (which composes nothing onto a printable ASCII character), and pre-tokenizers that only cut, one of
-    them a Split with a pattern listed above. Further cuts (digits, CJK runs) only add borders."""
+def _byte_level_splits(backend: Any) -> list[str] | None:
+    """The regexes of a byte-level BPE tokenizer's Split steps, in order, when its pre-tokenizer only cuts (Splits
+    that keep each match whole, then ByteLevel without its prefix space or regex, last) and its normaliser is
+    none or NFC (which composes nothing onto a printable ASCII character); else None. A Split given a plain
+    string, not a regex, is listed as ""."""
     parts = _bpe_parts(backend)
     if parts is None:
-        return False
+        return None
     steps, normalizer = parts
-    if (
-        normalizer is not None
-        and normalizer.get("type") != "NFC"
-        and normalizer != {"type": "Sequence", "normalizers": []}
-    ):
-        return False
-    safe = False
-    for step in steps:
-        kind = step.get("type")
-        if kind == "ByteLevel":
-            if step.get("add_prefix_space") or step.get("use_regex", True):
-                return False
-        elif kind == "Split":
-            if step.get("behavior") != "Isolated" or step.get("invert"):
-                return False
-            safe |= (step.get("pattern") or {}).get("Regex") in _LINE_SAFE_PATTERNS
-        else:
-            return False
-    return safe and any(step.get("type") == "ByteLevel" for step in steps)
+    if normalizer not in (None, {"type": "NFC"}, {"type": "Sequence", "normalizers": []}):
+        return None
+    if not steps or steps[-1].get("type") != "ByteLevel":
+        return None
+    level, splits = steps[-1], steps[:-1]
+    if level.get("add_prefix_space") or level.get("use_regex", True):
+        return None
+    if any(step.get("type") != "Split" or step.get("behavior") != "Isolated" or step.get("invert") for step in splits):
+        return None
+    return [str((step.get("pattern") or {}).get("Regex") or "") for step in splits]
+
+
+def _line_safe(backend: Any) -> bool:
+    """Whether cutting a piece at line starts leaves its token count unchanged: byte-level BPE whose
+    pre-tokenizer only cuts (see ``_byte_level_splits``), one cut a Split with a pattern listed above. Further
+    cuts (digits, CJK runs) only add borders."""
+    splits = _byte_level_splits(backend)
+    return splits is not None and any(pattern in _LINE_SAFE_PATTERNS for pattern in splits)
 
 
 def _blocks(piece: str, every: int = _EVERY) -> list[str]:
@@ -345,22 +345,9 @@ _BYTE_SYMBOLS = _byte_symbols()
 
 def _word_rule(backend: Any) -> re.Pattern[str] | None:
     """The pre-token regex for ASCII pieces, or None: only for byte-level BPE whose one cut is a Split with a
-    pattern listed above (kept whole, not inverted), then ByteLevel without its prefix space or its own regex,
-    and no normaliser but NFC (which leaves ASCII text as it is)."""
-    parts = _bpe_parts(backend)
-    if parts is None:
-        return None
-    steps, normalizer = parts
-    if normalizer not in (None, {"type": "NFC"}, {"type": "Sequence", "normalizers": []}):
-        return None
-    if [step.get("type") for step in steps] != ["Split", "ByteLevel"]:
-        return None
-    split, level = steps
-    if split.get("behavior") != "Isolated" or split.get("invert"):
-        return None
-    if level.get("add_prefix_space") or level.get("use_regex", True):
-        return None
-    pattern = _WORD_PATTERNS.get(str((split.get("pattern") or {}).get("Regex")))
+    pattern listed above (see ``_byte_level_splits``)."""
+    splits = _byte_level_splits(backend)
+    pattern = _WORD_PATTERNS.get(splits[0]) if splits is not None and len(splits) == 1 else None
     return re.compile(pattern) if pattern is not None else None
 
 
