@@ -10,7 +10,7 @@ import contextkeeper as ck
 model = ck.ModelSpec.from_config("llama-3.1-8b")  # or a config.json path / folder, a hub id, a dict
 print(f"{model.name}: {model.kinds()}, up to {model.max_context:,} tokens")
 
-# The seed's formula, and what each runtime really holds for 4 sequences of 30,000 tokens.
+# The textbook KV formula, and what each runtime really holds for 4 sequences of 30,000 tokens.
 for runtime in ("transformers", "vllm", "sglang", "llama.cpp"):
     report = model.kv(30_000, 4, runtime=runtime)
     print(f"  {runtime:<12} {report.bytes / 2**30:6.2f} GiB of KV ({report.kv_dtype})")

@@ -199,11 +199,37 @@ def test_breakdown_slots_are_where_the_messages_are() -> None:
     messages = tool_round()
     parts = ck.breakdown(counter, messages, tools=TOOLS)
     assert parts.messages == {"system": 1, "history": 4, "request": 1}
-    closed = [counter.count(messages[:n], add_generation_prompt=False) for n in (1, 5, 6)]
-    assert parts.system == closed[0]  # Qwen 2.5 cannot render an empty conversation: no baseline to subtract
-    assert parts.history == closed[1] - closed[0]
-    assert parts.request == closed[2] - closed[1]
-    assert parts.template_overhead == counter.count(messages) - closed[2]
+    system, request = messages[:1], messages[5:]
+
+    def closed(part: list[Any], tools: Any = None) -> int:
+        return counter.count(part, tools=tools, add_generation_prompt=False)
+
+    fixed = counter.count(system + request, tools=TOOLS)
+    assert parts.system == closed(system)  # Qwen 2.5 cannot render an empty conversation: no baseline to subtract
+    assert parts.tools == closed(system, TOOLS) - closed(system)
+    assert parts.request == closed(system + request, TOOLS) - closed(system, TOOLS)
+    assert parts.template_overhead == fixed - closed(system + request, TOOLS)
+    assert parts.history == counter.count(messages, tools=TOOLS) - fixed
+
+
+@pytest.mark.parametrize(
+    ("name", "vocab"),
+    [
+        ("Qwen-Qwen3-0.6B", "qwen2"),
+        ("meta-llama-Llama-3.3-70B-Instruct", "llama-bpe"),
+        ("openai-gpt-oss-120b", "harmony-on-qwen2"),
+    ],
+)
+def test_count_and_fit_name_the_same_slots_with_the_same_numbers(name: str, vocab: str) -> None:
+    """One slot model: ``breakdown`` (the CLI's ``count``) and a fit's report split the same prompt alike."""
+    counter = counter_for(name, vocab)
+    messages = tool_round()
+    fit = ck.ContextKeeper(counter, context_window=32768).fit(messages, tools=TOOLS, max_tokens=256)
+    assert fit.messages == messages  # everything fits: both split the very same prompt
+    parts = ck.breakdown(counter, messages, tools=TOOLS)
+    slots = {k: v for k, v in fit.report.slots.items() if k != "answer"}
+    assert slots == {k: getattr(parts, k) for k in slots}
+    assert sum(slots.values()) == parts.tokens == fit.tokens
 
 
 # -- mistral-common ------------------------------------------------------------------------------------------

@@ -20,12 +20,16 @@ ContextKeeperError
 │   └── MissingToolResult          an assistant's tool calls without results before the next turn
 ├── CountingError
 │   ├── ChatTemplateError          no template, or the template raised (its own message is kept)
+│   │   └── TemplateLimitExceeded  the template ran past a sandbox bound (time, loop steps, output, nesting)
 │   └── UnsupportedContent         a content part we cannot count and no per-part cost was set
 └── ProviderError                  a model call failed (mapped from the backend's own error in backends/errors.py)
     ├── ContextLengthExceeded      the server kept refusing the prompt as too long after every recovery
     ├── OutOfMemory                the local model ran out of memory after every recovery
     └── TransportError             timeouts, connection drops, 429/5xx or malformed replies after every retry
+        └── StreamInterrupted      a stream that broke after it had yielded chunks (.partial: the text so far)
 ```
+
+Every error may carry ``fix``: the setting or change that resolves it (the CLI prints it as its own field).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ __all__ = [
     "OrphanToolResult",
     "OutOfMemory",
     "ProviderError",
+    "StreamInterrupted",
+    "TemplateLimitExceeded",
     "TokenizerNotFound",
     "TransportError",
     "UnknownGPU",
@@ -54,7 +60,18 @@ __all__ = [
 
 
 class ContextKeeperError(Exception):
-    """Base of every error contextkeeper raises."""
+    """Base of every error contextkeeper raises. ``fix``: what resolves it, when one setting or change does
+    (also the text after "Fix:" in the message, where the message has one)."""
+
+    fix: str | None = None
+
+    def fix_text(self) -> str | None:
+        """``fix``, or else the part of the message after its last "Fix:" (None when there is neither)."""
+        if self.fix:
+            return self.fix
+        text = str(self)
+        marker = text.rfind("Fix:")
+        return text[marker + 4 :].strip() or None if marker >= 0 else None
 
 
 class ConfigurationError(ContextKeeperError):
@@ -127,6 +144,20 @@ class ChatTemplateError(CountingError):
         super().__init__(message)
 
 
+class TemplateLimitExceeded(ChatTemplateError):
+    """A chat template ran past one of the sandbox's bounds. ``bound`` names it ("time", "steps", "output",
+    "nesting", "size"), ``limit`` is its value and ``setting`` the keyword that raises it."""
+
+    def __init__(
+        self, message: str, *, bound: str, limit: float, setting: str, template_message: str | None = None
+    ) -> None:
+        self.bound = bound
+        self.limit = limit
+        self.setting = setting
+        self.fix = f"raise {setting} (now {limit:,}) if this template is trusted, or use another template"
+        super().__init__(message, template_message=template_message)
+
+
 class UnsupportedContent(CountingError):
     """A content part whose token cost is unknown for this model and was not configured."""
 
@@ -171,3 +202,22 @@ class OutOfMemory(ProviderError, MemoryError):
 class TransportError(ProviderError, ConnectionError):
     """The server could not be reached or answered with a timeout, 429, 5xx or a malformed body, after every
     retry."""
+
+
+class StreamInterrupted(TransportError):
+    """A streamed reply broke after some chunks reached the caller, so it was not retried. ``partial`` is the
+    assistant's text received so far and ``chunks`` how many chunks were passed on."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        partial: str = "",
+        chunks: int = 0,
+        report: Any = None,
+        attempts: int = 1,
+        cause: BaseException | None = None,
+    ) -> None:
+        self.partial = partial
+        self.chunks = chunks
+        super().__init__(message, report=report, attempts=attempts, cause=cause)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -9,17 +10,16 @@ from .._exceptions import ChatTemplateError
 from ..messages import Conversation
 from .base import MessagesLike, TokenCounter, ToolsLike
 
-__all__ = ["Breakdown", "breakdown", "split_slots"]
+__all__ = ["Breakdown", "HeadCounts", "breakdown", "head_counts", "prompt_slots", "split_slots"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Breakdown:
-    """An exact total split into slots by marginal cost.
+    """An exact total split into the slots of :func:`prompt_slots` (the same slots a fit's report names).
 
-    Each slot is what its messages add when appended in prompt order (their role headers included), so the
-    slots always sum to ``tokens``. ``template_overhead`` is the generation prompt plus anything the template
-    renders for an empty conversation; ``tools`` is what the tool schemas add (0 when the template ignores
-    them).
+    The slots always sum to ``tokens``. ``template_overhead`` is the generation prompt plus anything the
+    template renders for an empty conversation; ``tools`` is what the tool schemas add (0 when the template
+    ignores them); ``messages`` says how many messages each of system, history and request holds.
     """
 
     tokens: int
@@ -61,43 +61,25 @@ def split_slots(conversation: Conversation) -> tuple[int, int]:
 
 
 def breakdown(counter: TokenCounter, messages: MessagesLike, *, tools: ToolsLike = None) -> Breakdown:
-    """Count ``messages`` and ``tools`` and split the exact total into slots."""
+    """Count ``messages`` and ``tools`` and split the exact total into slots (see :func:`prompt_slots`)."""
     conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
     end_system, start_request = split_slots(conversation)
     items = list(conversation)
-
-    def count(upto: int, *, with_tools: bool, generation: bool) -> int:
-        part = Conversation.from_messages(items[:upto])
-        return counter.count(part, tools=tools if with_tools else None, add_generation_prompt=generation)
-
-    def prefix(upto: int) -> int | None:
-        # Some templates refuse partial conversations (a lone system message, no user turn): that slot then
-        # merges into the next one instead of failing the whole breakdown.
-        try:
-            return count(upto, with_tools=False, generation=False)
-        except ChatTemplateError:
-            return None
-
+    tool_list = list(tools) if tools else None
     measure = getattr(counter, "measure", None)
     if callable(measure):
-        measured = measure(conversation, tools=tools)
+        measured = measure(conversation, tools=tool_list)
         total, estimated, notes = measured.tokens, measured.estimated, tuple(measured.notes)
     else:
-        total, estimated, notes = counter.count(conversation, tools=tools), False, ()
-    no_tools = count(len(items), with_tools=False, generation=True) if tools else total
-    finished = count(len(items), with_tools=False, generation=False)
-    empty = prefix(0) or 0
-    system_end = prefix(end_system) if end_system else empty
-    history_end = prefix(start_request) if start_request > end_system else system_end
-    system_end = empty if system_end is None else system_end
-    history_end = system_end if history_end is None else history_end
+        total, estimated, notes = counter.count(conversation, tools=tool_list), False, ()
+    system, request = items[:end_system], items[start_request:]
+    fixed = [*system, *request]
+    base = total if len(fixed) == len(items) else int(counter.count(fixed, tools=tool_list))
+    head = head_counts(counter.count, system, tool_list)
+    slots = prompt_slots(counter.count, system, request, tool_list, total=total, base=base, head=head)
     return Breakdown(
         tokens=total,
-        system=system_end - empty,
-        tools=total - no_tools,
-        history=history_end - system_end,
-        request=finished - history_end,
-        template_overhead=empty + (no_tools - finished),
+        **slots,
         messages={
             "system": end_system,
             "history": start_request - end_system,
@@ -106,3 +88,73 @@ def breakdown(counter: TokenCounter, messages: MessagesLike, *, tools: ToolsLike
         estimated=estimated,
         notes=notes,
     )
+
+
+CountFn = Callable[..., int]  # a counter's count(messages, *, tools=..., add_generation_prompt=...)
+
+
+@dataclass(frozen=True)
+class HeadCounts:
+    """The counts :func:`prompt_slots` takes of the system prompt alone (constant while it and the tools are)."""
+
+    empty: int  # the template's output for no messages at all (0 when it refuses to render none)
+    system: int  # the system messages alone, without a generation prompt
+    with_tools: int  # the same with the tool schemas
+
+
+def head_counts(count: CountFn, system: Sequence[Any], tools: list[Any] | None) -> HeadCounts | None:
+    """The head counts of ``system`` and ``tools``, or None when the template refuses a system prompt without a
+    request (Llama 3.1+ puts the tools into the first user message)."""
+    try:
+        empty = int(count([], add_generation_prompt=False))
+    except ChatTemplateError:
+        empty = 0
+    try:
+        alone = int(count(list(system), add_generation_prompt=False)) if system else empty
+        with_tools = int(count(list(system), tools=tools, add_generation_prompt=False)) if tools else alone
+    except ChatTemplateError:
+        return None
+    return HeadCounts(empty=empty, system=alone, with_tools=with_tools)
+
+
+def prompt_slots(
+    count: CountFn,
+    system: Sequence[Any],
+    request: Sequence[Any],
+    tools: list[Any] | None,
+    *,
+    total: int,
+    base: int,
+    head: HeadCounts | None,
+) -> dict[str, int]:
+    """The one slot model of a prompt: ``system``, ``tools``, ``history``, ``request``, ``template_overhead``.
+
+    Only the never-trimmed parts are counted (``base`` is the system prompt, the request and the tools with the
+    generation prompt; ``total`` the whole prompt), so history is what it adds to them. Each other slot is what
+    its part adds in prompt order: the system prompt to the template's empty output, the tools to the system
+    prompt, the request to both; the overhead is the empty output plus the generation prompt. The slots sum to
+    ``total``. When the template refuses a system prompt on its own (``head`` is None), each part's slot is
+    what removing it saves instead.
+    """
+    fixed = [*system, *request]
+    try:
+        if head is None:
+            raise ChatTemplateError("the template refuses the system prompt without a request")
+        bare = int(count(fixed, tools=tools, add_generation_prompt=False))
+        system_slot, tools_slot = head.system - head.empty, head.with_tools - head.system
+        request_slot, overhead = bare - head.with_tools, head.empty + base - bare
+    except ChatTemplateError:
+        no_tools = int(count(fixed)) if tools else base
+        no_tools_bare = int(count(fixed, add_generation_prompt=False))
+        try:
+            request_slot = int(count(list(request), add_generation_prompt=False)) if request else 0
+        except ChatTemplateError:
+            request_slot = 0
+        system_slot, tools_slot, overhead = no_tools_bare - request_slot, base - no_tools, no_tools - no_tools_bare
+    return {
+        "system": system_slot,
+        "tools": tools_slot,
+        "history": total - base,
+        "request": request_slot,
+        "template_overhead": overhead,
+    }
