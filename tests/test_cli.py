@@ -44,7 +44,7 @@ def test_count_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     argv = ["count", "--tokenizer", str(tokenizer_dir("qwen2")), "--chat-template", str(chat_template)]
     assert main([*argv, "--messages", str(messages), "--tools", str(tools)]) == 0
     table = capsys.readouterr().out
-    for label in ("system", "tools", "history", "request", "template overhead", "total"):
+    for label in ("system", "tools", "history", "request", "template_overhead", "total"):
         assert label in table
 
 

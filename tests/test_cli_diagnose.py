@@ -43,7 +43,10 @@ def test_doctor_with_facts(capsys: pytest.CaptureFixture[str]) -> None:
 def test_doctor_unknown_symptom(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--symptom", "slow", "--json"]) == 2
     captured = capsys.readouterr()
-    assert captured.out == ""
+    error = json.loads(captured.out)["error"]  # with --json the error is on stdout too, as one JSON object
+    assert error["type"] == "UnknownSymptom"
+    assert "load, long-prompt" in error["message"]
+    assert captured.err.count("\n") == 1
     assert "UnknownSymptom" in captured.err
     assert "load, long-prompt, generation, concurrent, grows-over-time, process-killed" in captured.err
 
@@ -83,6 +86,31 @@ def test_profile_table_with_progress(tiny_folder: Path, capsys: pytest.CaptureFi
     assert "5/5" in captured.err  # the progress bar reached the end
 
 
-def test_profile_rejects_bad_lengths(tiny_folder: Path) -> None:
-    with pytest.raises(SystemExit, match="comma-separated integers"):
-        main(["profile", "--model", str(tiny_folder), "--lengths", "16,abc"])
+def test_profile_rejects_bad_lengths(tiny_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "--model", str(tiny_folder), "--lengths", "16,abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("contextkeeper: ConfigurationError: --lengths expects comma-separated integers")
+    assert err.count("\n") == 1
+    assert main(["profile", "--model", str(tiny_folder), "--lengths", "16,0"]) == 2
+    assert "lengths must be an integer from 1 to" in capsys.readouterr().err
+
+
+def test_profile_with_one_length_reports_what_it_measured(
+    tiny_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One prompt length has no slope: the report says so and gives the step's own bytes, not "0.0, ratio 0"."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    argv = ["profile", "--model", str(tiny_folder), "--device", "cpu", "--lengths", "16", "--new-tokens", "2"]
+    assert main([*argv, "--batches", "1", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "measured 0.0" not in text
+    assert "ratio 0.0000" not in text
+    assert "one prompt length (16 tokens), so no slope: its cache is 8,192 B (512.0 B per token on average)" in text
+    assert "predicted 8,192 B" in text
+    assert main([*argv, "--batches", "1", "--json"]) == 0
+    per_token = json.loads(capsys.readouterr().out)["kv_bytes_per_token"]
+    assert per_token["measured"] is None
+    assert per_token["ratio"] is None
+    assert per_token["predicted"] == 512
+    assert per_token["method"] == "one prompt length"

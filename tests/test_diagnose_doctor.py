@@ -64,7 +64,12 @@ def test_the_issue_example_kv_for_four_sequences_overflows() -> None:
     assert "the weights take 14.96 GiB" in (first.evidence or "")
     # vLLM spellings, and plan()'s numbers on the fixes it can compute
     settings = [fix.setting for fix in first.fixes]
-    assert settings[0].startswith("--max-num-seqs")
+    # not even one 32K sequence fits, so fewer sequences is not enough alone: a shorter context that fits leads
+    assert settings[0].startswith("--max-model-len")
+    assert first.fixes[0].fits is True
+    seqs = next(fix for fix in first.fixes if fix.setting.startswith("--max-num-seqs"))
+    assert seqs.fits is False
+    assert (seqs.effect or "").startswith("not enough alone")
     context_fix = next(fix for fix in first.fixes if fix.setting.startswith("--max-model-len"))
     assert context_fix.setting != "--max-model-len N"  # the number plan() found
     assert context_fix.effect
@@ -80,6 +85,35 @@ def test_weights_that_do_not_fit_come_first_at_load() -> None:
     assert "the weights take" in (result.causes[0].evidence or "")
     kv = next(c for c in result.causes if c.key == "max-model-len")
     assert kv.over is False  # the weights overflow first; the KV pool is not the one to fix
+
+
+def test_fixes_that_are_not_enough_alone_come_after_those_that_are() -> None:
+    """doctor listed first the fixes its own numbers called "not enough alone": --max-num-seqs for 16 × 32K on a
+    24 GB card, "free the GPU" for a 70B model on a 24 GB card. Rank: fits alone, unknown, not enough; then cost."""
+    rank = {True: 0, None: 1, False: 2}
+    concurrent = diagnose("concurrent", model="llama-3.1-8b", gpu="RTX 4090", context=32768, concurrency=16)
+    for cause in concurrent.causes:
+        keys = [(rank[fix.fits], COSTS.index(fix.cost)) for fix in cause.fixes]
+        assert keys == sorted(keys), cause.key
+    first = concurrent.causes[0]
+    assert first.fixes[0].fits is True
+    assert first.fixes[0].setting.startswith("--max-model-len")
+    seqs = next(fix for fix in first.fixes if fix.setting.startswith("--max-num-seqs"))
+    assert seqs.fits is False
+    assert first.fixes.index(seqs) > 0
+    load = diagnose("load", model="llama-3.1-70b", gpu="RTX 4090", runtime="vllm")
+    weights = load.causes[0]
+    assert weights.key == "weights"
+    free = next(fix for fix in weights.fixes if fix.action.startswith("free the GPU"))
+    assert free.fits is False
+    assert (free.effect or "").startswith("not enough alone: the numbers already count the whole card as free")
+    assert weights.fixes[0].fits is None  # "choose a smaller model": the facts cannot rule it out
+    assert weights.fixes.index(free) > 0
+    assert all(fix.fits is False for fix in weights.fixes[weights.fixes.index(free) :])
+    # When the workload fits an empty card, only a reading of free memory can tell whether freeing it helps.
+    fits = diagnose("load", model="qwen2.5-7b", gpu="H100", context=8192, runtime="vllm")
+    weights = next(cause for cause in fits.causes if cause.key == "weights")
+    assert next(fix for fix in weights.fixes if fix.action.startswith("free the GPU")).fits is None
 
 
 def test_a_workload_that_fits_flags_no_pool() -> None:
@@ -183,3 +217,5 @@ fixes = [
         _load_tree(good.replace('causes = ["c"]', 'causes = ["missing"]'))
     with pytest.raises(ValueError, match="unknown quantifier"):
         _load_tree(good.replace('why = "w"', 'why = "w"\nquantify = "nope"'))
+    with pytest.raises(ValueError, match="unknown judge"):
+        _load_tree(good.replace('action = "a", setting = "s"', 'action = "a", setting = "s", judge = "nope"'))

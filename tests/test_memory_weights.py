@@ -92,3 +92,25 @@ def test_weights_from_safetensors_metadata(tmp_path: Path) -> None:
     assert from_index.source == "safetensors index"
     assert from_index.bytes == unique
     assert param_count(spec).total == sum(p.numel() for p in model.parameters())
+
+
+def _header(text: bytes) -> bytes:
+    return len(text).to_bytes(8, "little") + text
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        (10**15).to_bytes(8, "little") + b"{}",  # a header size no safetensors file has: nothing is read for it
+        _header(b'{"w": [1, 2]}'),  # a tensor entry without data_offsets
+        _header(b'{"w": {"data_offsets": [0, "x"]}}'),
+        _header(b"[1]"),
+    ],
+)
+def test_a_bad_safetensors_header_is_a_model_config_error(tmp_path: Path, content: bytes) -> None:
+    import contextkeeper as ck
+
+    (tmp_path / "model.safetensors").write_bytes(content)
+    spec = ModelSpec.from_config({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64})
+    with pytest.raises(ck.ModelConfigError, match="safetensors"):
+        weights_report(spec, folder=tmp_path)

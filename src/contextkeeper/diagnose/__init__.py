@@ -1,4 +1,4 @@
-"""Diagnostics from the seed: ``doctor`` (symptom -> pool -> causes -> fixes), ``profile`` (the VRAM test
+"""Diagnostics: ``doctor`` (symptom -> pool -> causes -> fixes), ``profile`` (the VRAM test
 sequence, measured) and ``MemoryMonitor`` (leaks and fragmentation across requests).
 
 Nothing here imports torch, transformers or matplotlib until a function needs them.

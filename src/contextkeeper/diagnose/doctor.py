@@ -1,7 +1,7 @@
 """``doctor``: from a symptom to the memory pool that runs out, its likely causes and the fixes, ranked.
 
 The decision tree is data (``data/symptoms.toml``): each symptom lists causes, each cause its pool, why it
-happens and fixes in the seed's order (settings that cost nothing, then model changes, then hardware). Given
+happens and fixes in cost order (settings that cost nothing, then model changes, then hardware). Given
 facts (model, GPU, context, concurrency, runtime; or live detection) a registry of quantifiers puts numbers on
 each cause with :func:`contextkeeper.memory.plan`, marks the pool that actually overflows, and ranks it first.
 """
@@ -18,6 +18,7 @@ from importlib import resources
 from typing import Any
 
 from .._exceptions import ConfigurationError, _WithMatches
+from ..memory.limits import check_fields
 from ..memory.render import human
 
 if sys.version_info >= (3, 11):
@@ -27,6 +28,7 @@ else:  # pragma: no cover
 
 __all__ = [
     "COSTS",
+    "JUDGES",
     "QUANTIFIERS",
     "Cause",
     "Diagnosis",
@@ -39,7 +41,7 @@ __all__ = [
     "symptoms",
 ]
 
-COSTS = ("none", "model", "hardware")  # the seed's order: free settings, then the model, then hardware
+COSTS = ("none", "model", "hardware")  # cost order: free settings, then the model, then hardware
 RUNTIMES = ("transformers", "vllm", "sglang", "llama.cpp")
 
 
@@ -59,6 +61,7 @@ class Fix:
     setting: str
     cost: str
     effect: str | None = None
+    fits: bool | None = None  # does this fix alone make the workload fit (None: the facts cannot tell)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,6 +73,7 @@ class _FixRule:
     cost: str
     setting: str | dict[str, str]
     plan: str | None = None
+    judge: str | None = None
 
     def for_runtime(self, runtime: str | None) -> str | None:
         """The setting for ``runtime`` (None: this fix does not apply to it)."""
@@ -117,7 +121,8 @@ def _load_tree(text: str) -> _Tree:
     causes: dict[str, _CauseRule] = {}
     for key, raw in data["causes"].items():
         fixes = tuple(
-            _FixRule(action=f["action"], cost=f["cost"], setting=f["setting"], plan=f.get("plan")) for f in raw["fixes"]
+            _FixRule(action=f["action"], cost=f["cost"], setting=f["setting"], plan=f.get("plan"), judge=f.get("judge"))
+            for f in raw["fixes"]
         )
         order = [COSTS.index(f.cost) for f in fixes]  # ValueError on an unknown cost
         if order != sorted(order):
@@ -125,6 +130,9 @@ def _load_tree(text: str) -> _Tree:
         quantify = raw.get("quantify")
         if quantify is not None and quantify not in QUANTIFIERS:
             raise ValueError(f"cause {key!r}: unknown quantifier {quantify!r}")
+        unjudged = [f.judge for f in fixes if f.judge is not None and f.judge not in JUDGES]
+        if unjudged:
+            raise ValueError(f"cause {key!r}: unknown judge(s) {unjudged}")
         causes[key] = _CauseRule(
             key=key,
             title=raw["title"],
@@ -152,7 +160,7 @@ def _tree() -> _Tree:
 
 
 def symptoms() -> dict[str, Symptom]:
-    """The symptoms ``doctor`` knows, by name, in the seed's order."""
+    """The symptoms ``doctor`` knows, by name, in the decision tree's order."""
     return dict(_tree().symptoms)
 
 
@@ -188,6 +196,9 @@ class Facts:
     attn_implementation: str | None = None
     gpu_memory_utilization: float | None = None
     detect: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # gpus, context, concurrency, gpu_memory_utilization: the ranges plan() uses
 
     def has_numbers(self) -> bool:
         return self.model is not None and (self.gpu is not None or self.detect)
@@ -450,8 +461,30 @@ QUANTIFIERS: dict[str, Quantifier] = {
 }
 
 
+def _judge_free_gpu(ctx: _Context) -> tuple[bool | None, str | None]:
+    """Stopping other processes helps only when they hold what the plan needs: the plan already counts the card
+    as empty, so a plan that does not fit is not fixed by freeing it."""
+    if ctx.plan is None:
+        return None, None
+    b = ctx.plan.breakdown
+    if not ctx.plan.fits:
+        return False, (
+            f"not enough alone: the numbers already count the whole card as free, and the workload needs "
+            f"{human(b.total)} of the {human(b.capacity)} {ctx.runtime} may use"
+        )
+    if ctx.free_bytes is not None and ctx.free_bytes < b.capacity:
+        return True, f"fits once {human(b.capacity - ctx.free_bytes)} held by other processes is freed"
+    return None, None
+
+
+Judge = Callable[[_Context], tuple[bool | None, str | None]]
+
+# name (as data/symptoms.toml's `judge`) -> whether a fix without a plan() effect is enough alone, and why
+JUDGES: dict[str, Judge] = {"free_gpu": _judge_free_gpu}
+
+
 def _resolve(facts: Facts) -> _Context:
-    from ..memory import ModelSpec, PlanSettings, detect_gpus, find_gpu, plan
+    from ..memory import GPU, ModelSpec, PlanSettings, detect_gpus, find_gpu, plan
     from ..memory.runtimes import runtime_profile
     from .monitor import host_memory
 
@@ -465,7 +498,7 @@ def _resolve(facts: Facts) -> _Context:
         return ctx
     ctx.model = facts.model if isinstance(facts.model, ModelSpec) else ModelSpec.from_config(facts.model)
     if facts.gpu is not None:
-        ctx.gpu = facts.gpu if not isinstance(facts.gpu, str) else find_gpu(facts.gpu)
+        ctx.gpu = facts.gpu if isinstance(facts.gpu, GPU) else find_gpu(facts.gpu)  # refuses gpu=48 (not a name)
     else:
         found = detect_gpus()
         if not found:
@@ -473,7 +506,7 @@ def _resolve(facts: Facts) -> _Context:
         ctx.gpu = found[0].as_gpu()
         ctx.free_bytes = found[0].free_bytes
         ctx.notes.append(f"detected {found[0].name} ({human(found[0].total_bytes)}) via {found[0].source}")
-    context = facts.context or ctx.model.max_context
+    context = facts.context if facts.context is not None else ctx.model.max_context  # 0 is refused by plan()
     if context is None:
         raise ConfigurationError(f"{ctx.model.name} names no maximum context; pass --context N")
     if facts.context is None:
@@ -584,10 +617,17 @@ def _fixes(rule: _CauseRule, ctx: _Context, advice: Mapping[str, list[Any]]) -> 
         if number is not None:  # "--max-num-seqs N" with the number plan() found
             setting = re.sub(r"\bN\b", number, setting)
         effect = "; ".join(f"{a.action}: {a.effect}" for a in effects) or None
+        fits: bool | None = any(a.fits for a in effects) if effects else None
         if fix.plan == "--concurrency" and ctx.plan is not None and ctx.plan.max_concurrency == 0:
-            effect = f"not enough alone: not even one sequence of {ctx.plan.context:,} tokens fits"
-        out.append(Fix(action=fix.action, setting=setting, cost=fix.cost, effect=effect))
-    return tuple(out)
+            fits, effect = False, f"not enough alone: not even one sequence of {ctx.plan.context:,} tokens fits"
+        if fix.judge is not None and fits is None:
+            fits, judged = JUDGES[fix.judge](ctx)
+            effect = judged or effect
+        out.append(Fix(action=fix.action, setting=setting, cost=fix.cost, effect=effect, fits=fits))
+    # What alone makes it fit first, then what the facts cannot rule out, then what they call not enough; by cost
+    # within each (the sort is stable: the tree's order breaks ties).
+    rank = {True: 0, None: 1, False: 2}
+    return tuple(sorted(out, key=lambda f: (rank[f.fits], COSTS.index(f.cost))))
 
 
 def _advice_by_prefix(ctx: _Context) -> dict[str, list[Any]]:

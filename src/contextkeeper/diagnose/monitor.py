@@ -3,7 +3,7 @@
 Sources (a registry, ``SOURCES``): ``torch`` reads the CUDA caching allocator (allocated and reserved bytes),
 ``nvml`` the driver's view of the device (used bytes, and the processes holding memory), ``cpu`` the process's
 resident set (RSS) or a byte probe the caller supplies. ``request_done()`` is one cheap reading per completed
-request; ``report()`` turns the readings into findings with the seed's advice.
+request; ``report()`` turns the readings into findings with their advice.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``profile``: the seed's VRAM test sequence on a real transformers model, measured, next to our prediction.
+"""``profile``: the VRAM test sequence on a real transformers model, measured, next to our prediction.
 
 Steps: the baseline after load; prompts of growing length (one prefill each) with the peak per step; generation
 of N new tokens; concurrency 1..N (a batch). Each step records the cache's real bytes (the distinct storages of
@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from .._exceptions import ConfigurationError
-from ..memory.render import human
+from .._exceptions import ConfigurationError, ModelConfigError
+from ..memory.limits import check_fields
+from ..memory.render import human, needs_matplotlib
 from .monitor import rss_bytes
 
 __all__ = [
@@ -64,12 +65,9 @@ class ProfileSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("lengths", "new_tokens", "batches"):
-            values = getattr(self, name)
-            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise ConfigurationError(f"profile {name} must be positive integers, got {values!r}")
+        check_fields(self)  # every number against its registered range (memory/limits.py)
         if not self.lengths:
-            raise ConfigurationError("profile needs at least one prompt length")
+            raise ConfigurationError("profile needs at least one prompt length. Fix: lengths=(128, 256) (--lengths)")
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -96,6 +94,20 @@ def _torch_dtype(name: str) -> Any:
     if key not in table:
         raise ConfigurationError(f"profile dtype {name!r}: use auto, fp32, fp16 or bf16")
     return table[key]
+
+
+def _check_device(torch: Any, device: str) -> None:
+    """Refuse a device torch does not know, cannot use here, or we cannot measure, before loading anything."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigurationError(
+            f"profile device {device!r} is not a device torch knows. Fix: --device cpu, cuda or cuda:N"
+        ) from None
+    if kind not in METERS:
+        raise ConfigurationError(f"profile measures cuda and cpu devices, not {device!r}. Fix: --device cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError(f"profile device {device!r}: no CUDA GPU is available here. Fix: --device cpu")
 
 
 def _has_weights(folder: Path) -> bool:
@@ -133,6 +145,7 @@ def load_model(
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check_device(torch, device)
     folder: Path | None = None
     if isinstance(source, (str, Path)):
         path = Path(source).expanduser()
@@ -152,7 +165,13 @@ def load_model(
         random = False
     else:
         fields = {k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype", "transformers_version")}
-        config = transformers.AutoConfig.for_model(**fields)
+        try:
+            config = transformers.AutoConfig.for_model(**fields)
+        except (ValueError, KeyError) as exc:  # an unknown model_type: transformers' own words, typed
+            raise ModelConfigError(
+                f"{name}: transformers cannot build this config: {exc}. Fix: a config whose model_type the "
+                f"installed transformers {transformers.__version__} knows"
+            ) from None
         with torch.device(device):
             model = auto.from_config(config, dtype=chosen, **extra)
         random = True
@@ -370,8 +389,8 @@ class ProfileReport:
     baseline_bytes: int | None
     baseline_reserved: int | None
     rows: tuple[ProfileRow, ...]
-    slope: float  # measured KV bytes per token (least squares over the prompt steps)
-    intercept: float
+    slope: float | None  # measured KV bytes per token (least squares over the prompt steps; None: one length)
+    intercept: float | None
     predicted_per_token: int
     peak_per_token: float | None  # least-squares slope of the prompt steps' peaks (KV + activations)
     jumps: tuple[Jump, ...]
@@ -379,9 +398,16 @@ class ProfileReport:
     notes: tuple[str, ...] = ()
 
     @property
-    def ratio(self) -> float:
-        """Measured over predicted KV bytes per token (1.0: the memory model is right)."""
-        return self.slope / self.predicted_per_token if self.predicted_per_token else float("nan")
+    def ratio(self) -> float | None:
+        """Measured over predicted KV bytes per token (1.0: the memory model is right); None without a slope."""
+        if self.slope is None or not self.predicted_per_token:
+            return None
+        return self.slope / self.predicted_per_token
+
+    def _single(self) -> ProfileRow | None:
+        """The one prompt step when there is no slope to fit (a single prompt length)."""
+        prompts = [row for row in self.rows if row.phase == "prompt"]
+        return prompts[0] if self.slope is None and prompts else None
 
     @property
     def exact(self) -> bool:
@@ -405,6 +431,7 @@ class ProfileReport:
                 "predicted": self.predicted_per_token,
                 "ratio": self.ratio,
                 "intercept": self.intercept,
+                "method": "least squares over the prompt steps" if self.slope is not None else "one prompt length",
             },
             "peak_bytes_per_token": self.peak_per_token,
             "exact": self.exact,
@@ -431,10 +458,22 @@ class ProfileReport:
                 f"{r.phase:<12}{r.batch:>6}{r.tokens:>8}{r.cache_bytes:>18,}{r.predicted_bytes:>14,}{mark:>2}"
                 f"{_h(r.peak_bytes):>12}{_h(r.workspace_bytes):>12}{r.seconds:>7.2f}"
             )
+        single = self._single()
+        if single is None:
+            slope = (
+                f"KV bytes per token: measured {self.slope or 0:,.1f} (least squares over the prompt steps), "
+                f"predicted {self.predicted_per_token:,} (transformers runtime), ratio {self.ratio or 0:.4f}"
+            )
+        else:  # one length: no slope to fit; say what the one step measured
+            slope = (
+                f"KV bytes per token: one prompt length ({single.tokens:,} tokens), so no slope: its cache is "
+                f"{single.cache_bytes:,} B ({single.cache_bytes / max(single.tokens, 1):,.1f} B per token on "
+                f"average), predicted {single.predicted_bytes:,} B; pass two or more --lengths for "
+                "the per-token slope"
+            )
         lines += [
             "",
-            f"KV bytes per token: measured {self.slope:,.1f} (least squares over the prompt steps), "
-            f"predicted {self.predicted_per_token:,} (transformers runtime), ratio {self.ratio:.4f}",
+            slope,
             f"cache bytes equal the prediction in {sum(r.exact for r in self.rows)} of {len(self.rows)} steps"
             + (" (exact)" if self.exact else ""),
         ]
@@ -665,9 +704,13 @@ def profile(
             progress(i, total, f"{phase} {batch} × {prompt}" + (f" + {new}" if new else ""))
 
     prompt_rows = [r for r in rows if r.phase == "prompt"]
-    slope, intercept = fit_slope([r.tokens for r in prompt_rows], [r.cache_bytes for r in prompt_rows])
+    slope: float | None = None
+    intercept: float | None = None
+    if len({r.tokens for r in prompt_rows}) > 1:  # one length has no slope: reported as measured, not as 0
+        slope, intercept = fit_slope([r.tokens for r in prompt_rows], [r.cache_bytes for r in prompt_rows])
     peaks = [r for r in prompt_rows if r.peak_bytes is not None]
-    peak_slope = fit_slope([r.tokens for r in peaks], [r.peak_bytes or 0 for r in peaks])[0] if peaks else None
+    distinct_peaks = len({r.tokens for r in peaks}) > 1
+    peak_slope = fit_slope([r.tokens for r in peaks], [r.peak_bytes or 0 for r in peaks])[0] if distinct_peaks else None
     per_token = kv_report(spec, max(options.lengths), 1, runtime="transformers", kv_dtype=loaded.dtype)
     jumps: list[Jump] = []
     for phase in ("prompt", "generate", "concurrency"):
@@ -723,8 +766,7 @@ def profile(
 
 def plot_profile(report: ProfileReport, path: str | Path) -> Path:
     """A PNG: cache bytes (measured and predicted) and peaks per step, for each series."""
-    import matplotlib
-
+    matplotlib = needs_matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -740,7 +782,7 @@ def plot_profile(report: ProfileReport, path: str | Path) -> Path:
         peaks = [(x, r.peak_bytes / mib) for x, r in zip(xs, rows, strict=True) if r.peak_bytes is not None]
         if peaks:
             ax.plot(*zip(*peaks, strict=True), "s--", color="tab:red", label="peak above step start")
-        if phase == "prompt":
+        if phase == "prompt" and report.slope is not None and report.intercept is not None:
             fit = [(report.intercept + report.slope * x) / mib for x in xs]
             ax.plot(xs, fit, ":", color="tab:blue", label=f"fit: {report.slope:,.0f} B/token")
         ax.set_title(f"{phase}")
@@ -748,9 +790,10 @@ def plot_profile(report: ProfileReport, path: str | Path) -> Path:
         ax.set_ylabel("MiB")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    measured = f"measured {report.slope:,.0f} B" if report.slope is not None else "one length, no slope"
     fig.suptitle(
         f"{report.model} — {report.dtype}, {report.attn_implementation}, {report.device_name}; "
-        f"KV/token measured {report.slope:,.0f} B vs predicted {report.predicted_per_token:,} B",
+        f"KV/token {measured} vs predicted {report.predicted_per_token:,} B",
         fontsize=10,
     )
     fig.tight_layout()

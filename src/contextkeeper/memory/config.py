@@ -65,6 +65,15 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelConfigError(
             f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
         ) from None
+    except UnicodeDecodeError as exc:
+        raise ModelConfigError(
+            f"{path} is not UTF-8 text (byte {exc.start}); a model config is a JSON file. Fix: pass the model's "
+            "config.json"
+        ) from None
+    except OSError as exc:
+        raise ModelConfigError(
+            f"{path} cannot be read: {exc.strerror or exc}. Fix: pass a readable config.json"
+        ) from None
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path} holds a JSON {type(data).__name__}, not an object of config fields")
     return data

@@ -100,11 +100,12 @@ def dtype(name: str, *, purpose: str = "kv") -> DType:
     ``purpose`` is ``"kv"`` or ``"weights"``; a type the purpose cannot use raises :class:`ConfigurationError`
     listing the valid names.
     """
-    key = _ALIASES.get(name.strip().lower())
+    text = name.strip().lower() if isinstance(name, str) else ""
+    key = _ALIASES.get(text)
     allowed = _KV if purpose == "kv" else _WEIGHTS
     if key is None or key not in allowed:
         setting = "--kv-dtype" if purpose == "kv" else "--weights-dtype"
-        close = difflib.get_close_matches(name.lower(), allowed, n=3, cutoff=0.5)
+        close = difflib.get_close_matches(text, allowed, n=3, cutoff=0.5)
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         raise ConfigurationError(
             f"unknown {purpose} dtype {name!r}: {setting} takes auto or one of {', '.join(allowed)}.{hint}"

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
-from .._exceptions import UnknownGPU
+from .._exceptions import ConfigurationError, UnknownGPU
+from .limits import type_name
 
 __all__ = [
     "GPU",
@@ -33,6 +34,7 @@ __all__ = [
 
 GiB = 2**30
 MiB = 2**20
+MAX_CUSTOM_GB = 65_536  # a generic "<N>GB" device: far above any single accelerator
 
 # macOS lets Metal wire about 2/3 of RAM on machines with at most 36 GiB and about 3/4 above that by default
 # (``sysctl iogpu.wired_limit_mb`` changes it). Measured values sit at or above this: 10.67 GB of a 16 GB M4,
@@ -294,13 +296,22 @@ def find_gpu(name: str) -> GPU:
     form to pick another ("A100 40GB", "H100 PCIe"). An Apple chip with a size ("M3 Max 64GB") is that chip with
     that much unified memory. ``"<N>GB"`` / ``"<N>GiB"`` alone is a generic ``kind="custom"`` device of N GiB.
 
-    Raises :class:`~contextkeeper.UnknownGPU` (``.matches``: the closest catalog names) for anything else.
+    Raises :class:`~contextkeeper.UnknownGPU` (``.matches``: the closest catalog names) for anything else, and
+    :class:`~contextkeeper.ConfigurationError` for a value that is not a string (``gpu=48``: write ``"48GB"``).
     """
+    if not isinstance(name, str):
+        example = f"'{name}GB'" if isinstance(name, (int, float)) and not isinstance(name, bool) else "'48GB'"
+        error = ConfigurationError(
+            f"gpu must be a GPU name such as 'H100' or a size such as '48GB', got {name!r} "
+            f"({type_name(name)}). Fix: gpu={example} (or --gpu on the command line)"
+        )
+        error.fix = f"gpu={example}"
+        raise error
     custom = _CUSTOM.match(name)
     if custom:
         custom_gb = float(custom.group(1))
-        if custom_gb <= 0:
-            raise _unknown(name, _load()[1], (), "A size must be positive.")
+        if not 0 < custom_gb <= MAX_CUSTOM_GB:
+            raise _unknown(name, _load()[1], (), f"A size must be more than 0 and at most {MAX_CUSTOM_GB:,}GB.")
         return _custom(custom_gb)
     index = _load()[1]
     words = _words(name)

@@ -19,6 +19,7 @@ from .layers import (
     RecurrentState,
     SlidingAttention,
 )
+from .limits import check_config_sizes
 
 __all__ = ["ModelSpec"]
 
@@ -40,7 +41,7 @@ def _kv_heads(config: Mapping[str, Any], heads: int, source: str) -> int:
         return 1
     attn = config.get("attn_config")
     if isinstance(attn, Mapping) and attn.get("kv_n_heads"):
-        return int(attn["kv_n_heads"])
+        return positive(attn, "kv_n_heads", what="attn_config.kv_n_heads", source=source)
     if config.get("model_type") == "chatglm" and not config.get("multi_query_attention"):
         return heads
     value = first(config, "n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
@@ -185,6 +186,7 @@ class ModelSpec:
             config, "num_attention_heads", "n_head", "n_heads", "num_heads", what="attention heads", source=where
         )
         hidden = positive(config, "hidden_size", "n_embd", "d_model", what="hidden_size", source=where)
+        check_config_sizes(config, where)  # every size field in range before any list is sized from them
         explicit = first(config, "head_dim", "hidden_size_per_head")
         if explicit is not None and (isinstance(explicit, bool) or not isinstance(explicit, int) or explicit <= 0):
             raise ModelConfigError(f"{where}: head_dim must be a positive integer, got {explicit!r}")
@@ -205,7 +207,7 @@ class ModelSpec:
         shared = first(config, "num_kv_shared_layers") or 0
         if shared:  # Gemma 3n: the last layers reuse earlier layers' KV
             layers[count - shared :] = [NoCache(reason="reuses an earlier layer's KV")] * shared
-        vocab = first(config, "vocab_size", "padded_vocab_size")
+        vocab = first(config, "vocab_size", "padded_vocab_size")  # checked above: an int in range, or absent
         entry = catalog.find(display) if origin == "catalog" else None
         return cls(
             name=label,

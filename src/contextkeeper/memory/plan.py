@@ -20,6 +20,7 @@ from .config import first
 from .dtypes import dtype
 from .gpus import GPU, find_gpu, gpu_catalog
 from .layers import FullAttention, MLAttention
+from .limits import check_choice, check_fields, check_numbers
 from .model import ModelSpec
 from .runtimes import KVReport, kv_report, runtime_profile
 from .weights import WeightsReport, param_count, weights_report
@@ -27,6 +28,7 @@ from .weights import WeightsReport, param_count, weights_report
 __all__ = ["Advice", "Breakdown", "Plan", "PlanSettings", "Recommendation", "plan", "recommend"]
 
 GIB = 2**30
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +43,12 @@ class PlanSettings:
     attn_implementation: str = "sdpa"  # transformers: sdpa | eager | flash_attention_2
     flash_attn: bool = True  # llama.cpp: -fa
     n_ubatch: int = 512  # llama.cpp
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # every number against its registered range (limits.py): 1.5, -0.5 and nan are refused
+        check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        check_choice("cuda_graphs", self.cuda_graphs, (True, False))
+        check_choice("flash_attn", self.flash_attn, (True, False))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +102,14 @@ class Plan:
     kv: KVReport
     weights: WeightsReport
     notes: tuple[str, ...] = ()
+    no_context: str | None = None  # why not even one token per sequence fits (None when some context does)
+
+    def context_limit(self) -> int:
+        """:attr:`max_context`, or a :class:`ConfigurationError` that says why no context fits at all: the
+        weights (with overhead) alone, or this many sequences, and which setting fixes it."""
+        if self.max_context > 0:
+            return self.max_context
+        raise ConfigurationError(self.no_context or f"no context fits {self.model} on {self.gpu}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +129,7 @@ class Plan:
             "kv": self.kv.to_dict(),
             "weights": dataclasses.asdict(self.weights),
             "notes": list(self.notes),
+            "no_context": self.no_context,
         }
 
 
@@ -358,7 +375,15 @@ def _resolve_model(model: ModelSpec | Any) -> ModelSpec:
 
 
 def _resolve_gpu(gpu: GPU | str) -> GPU:
-    return gpu if isinstance(gpu, GPU) else find_gpu(gpu)
+    return gpu if isinstance(gpu, GPU) else find_gpu(gpu)  # find_gpu refuses what is not a name or a size
+
+
+def _settings(settings: PlanSettings | None) -> PlanSettings:
+    if settings is not None and not isinstance(settings, PlanSettings):
+        raise ConfigurationError(
+            f"settings must be a PlanSettings, got {type(settings).__name__}. Fix: settings=PlanSettings(...)"
+        )
+    return settings or PlanSettings()
 
 
 _VENDORS = {"vllm": ("nvidia", "amd", "custom"), "sglang": ("nvidia", "amd", "custom")}
@@ -385,13 +410,12 @@ def _workload(
     runtime_settings: dict[str, Any],
 ) -> _Workload:
     """The workload every planning question is asked of: arguments resolved and checked once."""
+    gpus = check_numbers(gpus=gpus)["gpus"]
     spec = _resolve_model(model)
     card = _resolve_gpu(gpu)
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ConfigurationError(f"gpus must be a positive integer, got {gpus!r}")
     name = runtime_profile(runtime).name
     _check_device(card, gpus, name)
-    options = settings or PlanSettings()
+    options = _settings(settings)
     if options.max_num_batched_tokens and "max_num_batched_tokens" not in runtime_settings and name == "vllm":
         runtime_settings["max_num_batched_tokens"] = options.max_num_batched_tokens
     return _Workload(
@@ -422,9 +446,8 @@ def kv_pool_tokens(
     prefill peak: the most tokens ``concurrency`` equal sequences hold together (windows, states and block
     rounding included). Unlike :attr:`Plan.max_context` it is not capped at the model's own maximum context: a
     server's KV pool is shared by all calls, however long each may be. 0 when no KV cache fits at all."""
+    check_numbers(concurrency=concurrency, gpus=gpus)
     work = _workload(model, gpu, gpus, runtime, kv_dtype, weights_dtype, settings, runtime_settings)
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
     return max(0, _largest(lambda n: work.fits(n, concurrency), 1, 1 << 26)) * concurrency
 
 
@@ -443,17 +466,19 @@ def plan(
     **runtime_settings: Any,
 ) -> Plan:
     """Plan ``concurrency`` sequences of ``context`` tokens of ``model`` on ``gpus`` × ``gpu`` with ``runtime``."""
+    check_numbers(context=context, concurrency=concurrency, gpus=gpus)
     work = _workload(model, gpu, gpus, runtime, kv_dtype, weights_dtype, settings, runtime_settings)
     spec, card, name = work.model, work.gpu, work.runtime
-    for what, value in (("context", context), ("concurrency", concurrency)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigurationError(f"{what} must be a positive integer, got {value!r}")
     fits, breakdown, kv, costs = work.evaluate(context, concurrency)
     notes = list(costs.notes) + list(kv.notes)
     if spec.max_context and context > spec.max_context:
         fits = False
         notes.insert(0, f"{spec.name} accepts at most {spec.max_context:,} tokens; {context:,} were asked for")
     weights = work.weights()
+    longest = work.max_context(concurrency)
+    no_context = _why_no_context(work, concurrency) if longest == 0 else None
+    if no_context:
+        notes.insert(0, no_context)
     return Plan(
         model=spec.name,
         gpu=card.name,
@@ -465,12 +490,41 @@ def plan(
         weights_dtype=weights.dtype,
         fits=fits,
         breakdown=breakdown,
-        max_context=work.max_context(concurrency),
+        max_context=longest,
         max_concurrency=work.max_concurrency(context) if not (spec.max_context and context > spec.max_context) else 0,
         advice=tuple(_advise(work, context, concurrency, kv.kv_dtype)) if advise else (),
         kv=kv,
         weights=weights,
         notes=tuple(notes),
+        no_context=no_context,
+    )
+
+
+def _why_no_context(work: _Workload, concurrency: int) -> str:
+    """Why not one token per sequence fits: the weights and overhead alone, the prefill peak on top, or the
+    number of sequences (named only when one sequence would fit), with the setting that fixes it."""
+    _, b, _, _ = work.evaluate(1, 1)
+    where = f"{work.model.name} on {work.gpus} × {work.gpu.name} ({work.runtime}, may use {b.capacity / GIB:.2f} GiB)"
+    fixed = b.weights + b.overhead
+    if fixed > b.capacity:
+        return (
+            f"no context fits {where}: the weights alone take {b.weights / GIB:.2f} GiB "
+            f"({work.weights().dtype}) and overhead {b.overhead / GIB:.2f} GiB, {(fixed - b.capacity) / GIB:.2f} GiB "
+            "more than the GPU holds. Fix: a quantised checkpoint (weights_dtype='fp8' or 'int4'), more GPUs "
+            "(gpus=) or a GPU with more memory"
+        )
+    if b.total > b.capacity:
+        return (
+            f"no context fits {where}: weights {b.weights / GIB:.2f} GiB, overhead {b.overhead / GIB:.2f} GiB and "
+            f"the prefill peak {b.prefill_peak / GIB:.2f} GiB leave no room for a KV cache. Fix: smaller prefill "
+            "steps (max_num_batched_tokens), a quantised checkpoint (weights_dtype='fp8' or 'int4'), more GPUs "
+            "(gpus=) or a GPU with more memory"
+        )
+    single = work.max_context(1)
+    most = work.max_concurrency(1)
+    return (
+        f"no context fits {where} for {concurrency:,} sequences at once: one sequence holds up to {single:,} "
+        f"tokens, and at most {most:,} sequences of 1 token fit. Fix: lower concurrency (at most {most:,})"
     )
 
 
@@ -572,7 +626,7 @@ def _advise(work: _Workload, context: int, concurrency: int, current_kv: str) ->
                     "hardware",
                     replace(work, gpus=more),
                 )
-    # The seed's order: what costs nothing first, then model changes, then hardware; within each, what fits.
+    # What costs nothing first, then model changes, then hardware; within each, what fits.
     return sorted(out, key=lambda a: ({"none": 0, "model": 1, "hardware": 2}[a.cost], not a.fits))
 
 
@@ -609,8 +663,24 @@ def recommend(
     **runtime_settings: Any,
 ) -> tuple[Recommendation, ...]:
     """The catalog GPUs that fit the workload, each with the fewest cards that do (1, 2, 4, 8), cheapest first
-    by total memory."""
+    by total memory. ``kinds``: only these catalog kinds (consumer, workstation, datacenter, apple)."""
+    check_numbers(context=context, concurrency=concurrency, max_gpus=max_gpus)  # refused here, not as "no GPU fits"
+    known = sorted({card.kind for card in gpu_catalog()})
+    if kinds is not None:
+        if isinstance(kinds, str):
+            kinds = (kinds,)
+        unknown = [kind for kind in kinds if kind not in known]
+        if unknown:
+            raise ConfigurationError(
+                f"unknown GPU kind(s) {', '.join(map(repr, unknown))}: kinds (--kind) takes {', '.join(known)}. "
+                f"Fix: choose among {', '.join(known)}"
+            )
     spec = _resolve_model(model)
+    # Settings the runtime refuses are the caller's error, not "no GPU fits": ask once, outside the catalog loop
+    # (which only skips cards that cannot run the workload, e.g. a head count tp does not divide).
+    kv_report(spec, 1, 1, runtime=runtime, kv_dtype=kv_dtype, **runtime_settings)
+    weights_report(spec, weights_dtype)
+    _settings(settings)
     options: list[Recommendation] = []
     for card in gpu_catalog():
         if kinds and card.kind not in kinds:

@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._exceptions import ConfigurationError
 from .plan import Plan, Recommendation, plan
 from .runtimes import KVReport
 
-__all__ = ["human", "kv_table", "plan_table", "plot_plan", "recommend_table"]
+__all__ = ["human", "kv_table", "needs_matplotlib", "plan_table", "plot_plan", "recommend_table"]
 
 
 def human(n: float) -> str:
@@ -18,6 +19,17 @@ def human(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def needs_matplotlib() -> Any:
+    """The matplotlib module, or a ConfigurationError that says how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigurationError(
+            "plots need matplotlib, which is not installed. Fix: pip install 'contextkeeper[plot]'"
+        ) from None
+    return matplotlib
 
 
 def _rows(rows: Sequence[tuple[str, str]], title: str) -> str:
@@ -67,9 +79,9 @@ def plan_table(result: Plan) -> str:
     return "\n".join(lines)
 
 
-def recommend_table(options: Sequence[Recommendation], title: str) -> str:
+def recommend_table(options: Sequence[Recommendation], title: str, *, max_gpus: int = 8) -> str:
     if not options:
-        return f"{title}\nno GPU in the catalog fits this workload with up to 8 cards"
+        return f"{title}\nno GPU in the catalog fits this workload with up to {max_gpus} cards"
     width = max(len(r.gpu) for r in options)
     head = f"{'GPU':<{width}} {'count':>5} {'memory':>11} {'max context':>12} {'max conc.':>9} {'headroom':>10}"
     lines = [title, head, "-" * len(head)]
@@ -84,7 +96,7 @@ def recommend_table(options: Sequence[Recommendation], title: str) -> str:
 def plot_plan(result: Plan, path: str | Path, *, model: Any, **plan_args: Any) -> Path:
     """Memory by part against context length at the plan's concurrency, the capacity line, and the total at
     other concurrency steps. Needs matplotlib (``pip install contextkeeper[plot]``)."""
-    import matplotlib
+    matplotlib = needs_matplotlib()
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -2,7 +2,7 @@
 
 A profile turns the architecture's layers into the layers that runtime allocates (``layers``), and sums them
 for a number of sequences (``kv_bytes``). The rules, with the runtime sources they were read from, are in
-docs/memory.md and ../shared/reference/kv_memory.md.
+docs/memory.md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .layers import (
     RecurrentState,
     SlidingAttention,
 )
+from .limits import check_choice, check_fields, check_numbers
 from .model import ModelSpec
 
 __all__ = ["RUNTIMES", "KVReport", "Runtime", "RuntimeSettings", "kv_report", "runtime_profile"]
@@ -51,14 +52,12 @@ class RuntimeSettings:
     decode_steps: int | None = None  # transformers QuantizedCache while decoding: steps since the prompt
 
     def __post_init__(self) -> None:
-        for name in ("tp", "n_ubatch", "q_group_size", "residual_length"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("block_size", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+        check_fields(self)  # every number against its registered range (limits.py)
+        check_choice("phase", self.phase, ("plan", "steady"))
+        check_choice("mamba_cache_mode", self.mamba_cache_mode, ("none", "align", "all"))
+        check_choice("mla_cache", self.mla_cache, ("k", "kv"))
+        for name in ("hybrid_manager", "swa_full", "kv_unified"):
+            check_choice(name, getattr(self, name), (True, False))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -539,7 +538,7 @@ _RUNTIME_ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "hf": "tr
 
 def runtime_profile(name: str) -> Runtime:
     """The profile called ``name`` (transformers, vllm, sglang, llama.cpp; ollama counts as llama.cpp)."""
-    key = name.strip().lower()
+    key = name.strip().lower() if isinstance(name, str) else ""
     key = _RUNTIME_ALIASES.get(key, key)
     if key not in RUNTIMES:
         raise ConfigurationError(f"unknown runtime {name!r}: --runtime takes one of {', '.join(RUNTIMES)}")
@@ -557,9 +556,7 @@ def kv_report(
     **settings: Any,
 ) -> KVReport:
     """The KV cache ``runtime`` holds for ``sequences`` sequences of ``tokens`` tokens (per GPU)."""
-    for what, value, low in (("tokens", tokens, 0), ("sequences", sequences, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigurationError(f"{what} must be an integer >= {low}, got {value!r}")
+    check_numbers(tokens=tokens, sequences=sequences, tp=tp)
     profile = runtime_profile(runtime)
     try:
         options = RuntimeSettings(tp=tp, **settings)

@@ -23,6 +23,8 @@ from .model import ModelSpec
 
 __all__ = ["ParamCount", "WeightsReport", "param_count", "weights_report"]
 
+_MAX_HEADER = 100_000_000
+
 # Families whose MLP is up -> activation -> down (two matrices), not gated (three).
 _UNGATED = frozenset({"gpt2", "falcon", "gpt_neox", "mpt", "phi", "gpt_bigcode", "opt", "bloom", "starcoder2"})
 
@@ -242,9 +244,16 @@ def _safetensors_bytes(folder: Path) -> tuple[int, str] | None:
             if len(raw) != 8:
                 raise ModelConfigError(f"{path} is not a safetensors file (shorter than its 8-byte header size)")
             (length,) = struct.unpack("<Q", raw)
+            if length > _MAX_HEADER:  # safetensors itself refuses headers over 100 MB
+                raise ModelConfigError(
+                    f"{path} claims a {length:,}-byte safetensors header; it is not a safetensors file"
+                )
             try:
                 header = json.loads(handle.read(length))
-            except ValueError:
+                ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                 raise ModelConfigError(f"{path} has a malformed safetensors header") from None
-        total += max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if not all(isinstance(end, int) and not isinstance(end, bool) and end >= 0 for end in ends):
+            raise ModelConfigError(f"{path} has a malformed safetensors header (tensor offsets are not byte counts)")
+        total += max(ends, default=0)
     return total, "safetensors headers"
