@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import contextkeeper as ck
 from assets import template
 from conftest import hf_tokenizer
+from contextkeeper._memo import cache_usage, set_cache_bytes
 from contextkeeper.tokens._pieces import PieceCounter, _blocks, _line_safe, _word_rule
 from conversations import TOOLS, call
 
@@ -141,12 +142,21 @@ def test_counting_a_kept_window_tokenizes_nothing_new() -> None:
 
 
 def test_piece_cache_is_bounded() -> None:
+    """The piece caches share the byte budget: far more distinct pieces than fit are counted exactly, and the
+    caches never hold more than the budget."""
     backend = hf_tokenizer("qwen2").backend_tokenizer
-    pieces = PieceCounter(backend, cache_entries=100)
+    pieces = PieceCounter(backend)
     special = "<|im_start|>"
-    for i in range(2_000):
-        assert pieces.count(f"{special}piece number {i}{special}") == pieces.full(f"{special}piece number {i}{special}")
-    assert pieces.cached_pieces <= 200 + 1
+    limit = 64 * 1024
+    set_cache_bytes(limit)
+    try:
+        for i in range(2_000):
+            text = f"{special}piece number {i}{special}"
+            assert pieces.count(text) == pieces.full(text)
+            assert cache_usage().held <= limit
+        assert 0 < pieces.cached_pieces < 2_000
+    finally:
+        set_cache_bytes(None)
 
 
 @pytest.mark.parametrize("vocab", ["qwen2", "llama-bpe", "phi-3", "llama-spm", "gemma-4", "deepseek-v4", "qwen35"])

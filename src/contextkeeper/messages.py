@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeAlias, overload
 
@@ -38,8 +39,10 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from contextkeeper._exceptions import InvalidMessage, MessageError, MissingToolResult, OrphanToolResult
+from contextkeeper._memo import Memo, data_size, same_values
 
 __all__ = [
+    "MAX_DEPTH",
     "VALID_ROLES",
     "ContentFormat",
     "ContentPart",
@@ -59,9 +62,12 @@ __all__ = [
     "ToolCall",
     "Unit",
     "UnitKind",
+    "check_text",
+    "check_tools",
     "raw_view",
     "server_view",
     "server_view_message",
+    "surrogate_at",
 ]
 
 Role: TypeAlias = Literal["system", "developer", "user", "assistant", "tool"]
@@ -94,6 +100,182 @@ def _fail(message: str, fix: str = "", where: str | None = None) -> PydanticCust
 class _Model(BaseModel):
     # strict: no silent coercion (bytes -> str, tuple -> list), so what we return is what we were given.
     model_config = ConfigDict(frozen=True, extra="allow", strict=True)
+
+    def approx_size(self) -> int:
+        """Bytes this validated object holds (its fields, unknown keys and the objects inside), for the caches'
+        byte budget; a fixed cost stands for the model instance, its ``__dict__`` and field set."""
+        extra = self.__pydantic_extra__
+        return _MODEL_BYTES + sum(map(data_size, self.__dict__.values())) + (data_size(extra) if extra else 0)
+
+
+# What a model instance costs besides its values: the object, its __dict__ and its set of given fields (measured
+# with tracemalloc for a Message of two fields: 610 bytes).
+_MODEL_BYTES = 640
+
+
+# ------------------------------------------------------------------------------- text a server can encode
+
+MAX_DEPTH = 100
+"""How deeply a message's (or a tool schema's) data may nest: lists and objects inside one another, counted
+from the message (a tool call's arguments sit three levels down). Deeper data is refused before anything
+recurses over it (copies, templates' ``tojson``)."""
+
+# A lone surrogate (U+D800..U+DFFF) is not a character: it has no UTF-8 encoding, so neither a tokenizer nor a
+# server's JSON encoder can take it.
+_LONE = re.compile("[\ud800-\udfff]")
+_SURROGATE_FIX = (
+    "remove the character, or decode the text's bytes with errors='replace' (lone surrogates usually come from "
+    "bytes decoded with errors='surrogateescape' or from JSON escapes such as \\ud800)"
+)
+_DEPTH_FIX = "flatten the data, or send deeply nested values as a JSON string"
+_ESCAPED_LONE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_lone(text: str) -> bool:
+    return not text.isascii() and _LONE.search(text) is not None
+
+
+def _children(value: Any) -> Iterable[tuple[str | int, Any]] | None:
+    """The (key, child) pairs of a container or model, or None for a leaf."""
+    kind = type(value)
+    if kind is dict:
+        return value.items()  # type: ignore[no-any-return]
+    if kind is list or kind is tuple:
+        return enumerate(value)
+    if isinstance(value, _Model):
+        fields = value.__dict__.items()
+        extra = value.__pydantic_extra__
+        return [*fields, *extra.items()] if extra else fields
+    return None
+
+
+def _clean(root: Any, limit: int) -> bool:
+    """Whether ``root`` holds no lone surrogate (in strings or dict keys) and nests at most ``limit`` deep. The
+    fast pass: no paths kept, strings checked without being pushed."""
+    stack = [(root, 0)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        value, depth = pop()
+        children = _children(value)
+        if children is None:
+            continue
+        if depth >= limit:
+            return False
+        is_dict = type(value) is dict
+        for key, child in children:
+            if is_dict and type(key) is str and _has_lone(key):
+                return False
+            kind = type(child)
+            if kind is str:
+                if _has_lone(child):
+                    return False
+            elif kind is not int and kind is not bool and kind is not float and child is not None:
+                push((child, depth + 1))
+    return True
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for item in path:
+        if isinstance(item, str) and _has_lone(item):
+            item = ascii(item)  # a key that holds the surrogate itself: written with escapes, as Python would
+        out += f"[{item}]" if isinstance(item, int) else (f".{item}" if out else str(item))
+    return out or "the value"
+
+
+def _depth(root: Any) -> tuple[int, str | int | None]:
+    """Levels of nesting in ``root`` (containers and models, ``root`` itself included) and the key of ``root``
+    under which the deepest level lies. Iterative: any depth."""
+    deepest: tuple[int, str | int | None] = (0, None)
+    stack: list[tuple[Any, int, str | int | None]] = [(root, 1, None)]
+    while stack:
+        value, depth, top = stack.pop()
+        children = _children(value)
+        if children is None:
+            continue
+        if depth > deepest[0]:
+            deepest = (depth, top)
+        for key, child in children:
+            if _children(child) is not None:
+                stack.append((child, depth + 1, key if top is None else top))
+    return deepest
+
+
+def _problem(root: Any, limit: int, base: tuple[str | int, ...] = ()) -> tuple[str, str, str] | None:
+    """``(where, what, fix)`` of the first lone surrogate in ``root``, or of its nesting when deeper than
+    ``limit`` levels (with the depth found); None when it is clean. The slow pass, for errors only."""
+    if _clean(root, limit):
+        return None
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(root, base)]
+    while stack:
+        value, path = stack.pop()
+        if type(value) is str:
+            found = _LONE.search(value)
+            if found is not None:
+                return _where(path), _surrogate_text(value, found.start()), _SURROGATE_FIX
+            continue
+        children = _children(value)
+        if children is None or len(path) - len(base) > limit:
+            continue
+        for key, child in children:
+            if isinstance(key, str) and type(value) is dict and (found := _LONE.search(key)) is not None:
+                return _where((*path, key)), "an object key " + _surrogate_text(key, found.start()), _SURROGATE_FIX
+            stack.append((child, (*path, key)))
+    depth, top = _depth(root)
+    return (
+        _where((*base, top) if top is not None else base),
+        f"data nested {depth} levels deep; at most {limit} are allowed",
+        _DEPTH_FIX,
+    )
+
+
+def _surrogate_text(text: str, position: int) -> str:
+    return (
+        f"holds a lone surrogate {text[position]!r} at character {position} (of {len(text)}); it is not valid "
+        "Unicode, so no tokenizer or server can encode it as UTF-8"
+    )
+
+
+def surrogate_at(text: str) -> int | None:
+    """The position of the first lone surrogate in ``text``, or None (no search at all for ASCII text)."""
+    if text.isascii():
+        return None
+    found = _LONE.search(text)
+    return None if found is None else found.start()
+
+
+def check_text(text: str, *, what: str = "text") -> None:
+    """Raise :class:`MessageError` if ``text`` holds a lone surrogate (with its position)."""
+    position = surrogate_at(text) if type(text) is str else None
+    if position is not None:
+        raise MessageError(f"{what} {_surrogate_text(text, position)}", fix=_SURROGATE_FIX)
+
+
+def _tool_name(tool: Mapping[str, Any]) -> str | None:
+    """The function name of an OpenAI (``{"function": {"name": ...}}``) or flat (``{"name": ...}``) schema."""
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else tool.get("name")
+    return name if isinstance(name, str) else None
+
+
+def check_tools(tools: Iterable[Any]) -> None:
+    """Refuse tool schemas a server could not take: a schema that is not an object, text with a lone surrogate,
+    or data nested deeper than :data:`MAX_DEPTH`. Raises :class:`MessageError` naming the tool."""
+    for position, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise MessageError(
+                f"tools[{position}] must be an object (a tool schema), got {type(tool).__name__}",
+                fix='pass tools as [{"type": "function", "function": {"name": ..., "parameters": {...}}}]',
+            )
+        data = tool if type(tool) is dict else dict(tool)
+        problem = _problem(data, MAX_DEPTH, ())
+        if problem is not None:
+            where, what, fix = problem
+            name = _tool_name(tool)
+            label = (
+                f"tools[{position}] ({name!r})" if name is not None and not _has_lone(name) else f"tools[{position}]"
+            )
+            raise MessageError(f"{label} {where}: {what}", fix=fix)
 
 
 # --------------------------------------------------------------------------------------------- content parts
@@ -379,6 +561,32 @@ class Message(_Model):
             first_seen[call.id] = position
         return self
 
+    @model_validator(mode="after")
+    def _check_text(self) -> Message:
+        # Once per message, at construction (messages are frozen): every string and key, every nesting level.
+        problem = _problem(self, MAX_DEPTH)
+        if problem is not None:
+            where, what, fix = problem
+            raise _fail(what, fix, where=where)
+        for position, call in enumerate(self.tool_calls or ()):
+            arguments = call.function.arguments
+            # JSON-string arguments are parsed before the template sees them (by the server, and by the counter's
+            # server view): an escaped lone surrogate ("\ud800") comes out as one.
+            if type(arguments) is str and "\\u" in arguments and (found := _ESCAPED_LONE.search(arguments)):
+                try:
+                    parsed = json.loads(arguments)
+                except ValueError:
+                    continue  # not JSON: the server view sends {} instead
+                if _problem(parsed, MAX_DEPTH) is not None:
+                    raise _fail(
+                        f"holds the JSON escape {found.group(0)!r} of a lone surrogate at character "
+                        f"{found.start()} (of {len(arguments)}); parsed, as servers parse arguments, it is not valid "
+                        "Unicode, so no tokenizer or server can encode it as UTF-8",
+                        _SURROGATE_FIX,
+                        where=f"tool_calls[{position}].function.arguments",
+                    )
+        return self
+
     @classmethod
     def from_dict(cls, data: MessageLike) -> Message:
         """Validate one message: a dict, a :class:`Message`, or an object with ``model_dump()`` (openai SDK).
@@ -425,34 +633,103 @@ MessageLike: TypeAlias = Any
 _InputFormat: TypeAlias = Literal["dict", "message", "object"]
 
 
+class _StrictSnapshot(dict):  # type: ignore[type-arg]
+    """The copy of an input dict holding free-form data (object arguments, unknown keys), compared with the input
+    the way a template sees it: key order and value types count ({"a": 1, "b": 2} is not {"b": 2, "a": 1}, nor
+    1 the same as True)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, dict) or len(other) != len(self):
+            return False
+        return all(
+            key == other_key and same_values(value, other_value)
+            for (key, value), (other_key, other_value) in zip(self.items(), other.items(), strict=True)
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = None
+
+
+class _Exact:
+    """A :class:`Message` holding free-form data, to be recognised again only as the very same object: two equal
+    messages may render apart (their argument keys in another order)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.message
+
+    def __ne__(self, other: object) -> bool:
+        return other is not self.message
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _free_form(model: _Model) -> bool:
+    """Whether a validated message holds data whose order or types a template renders and Python's ``==``
+    ignores: unknown keys (anywhere) or object-valued tool-call arguments. Everything else is a typed field,
+    written in the model's own order."""
+    if isinstance(model, Message) and not model.__pydantic_extra__ and type(model.content) is not list:
+        # Most messages: text content, and tool calls (if any) of the OpenAI shape.
+        return any(
+            call.__pydantic_extra__ or call.function.__pydantic_extra__ or type(call.function.arguments) is not str
+            for call in model.tool_calls or ()
+        )
+    stack: list[_Model] = [model]
+    while stack:
+        item = stack.pop()
+        if item.__pydantic_extra__:
+            return True
+        for value in item.__dict__.values():
+            if type(value) is dict:
+                return True
+            if isinstance(value, _Model):
+                stack.append(value)
+            elif type(value) is list:
+                stack.extend(v for v in value if isinstance(v, _Model))
+    return False
+
+
+def _check_of(message: Message, snapshot: dict[str, Any]) -> dict[str, Any]:
+    """What an input dict is compared with to know it is unchanged: its copy, order-true when it needs to be."""
+    return _StrictSnapshot(snapshot) if _free_form(message) else snapshot
+
+
+def _parse_entry_size(key: Any, entry: tuple[object, dict[str, Any], Message]) -> int:
+    # The entry holds the caller's dict (so its id stays unique), its copy and the message. The three share their
+    # strings, and the dicts are alike: twice the copy's size and the message's own objects, without walking the
+    # message too (a validation costs about as much as that walk).
+    return 2 * data_size(entry[1]) + _MODEL_BYTES * (1 + len(entry[2].tool_calls or ()))
+
+
 class _ParseMemo:
     """Validated messages of recently seen input dicts, so a growing chat re-validates only its new turns.
 
     An entry is reused only for the very same dict object that still equals the copy taken when it was
-    validated (a deep comparison, cheap because the strings are shared), so a dict changed in place is
-    validated again. Python equality cannot see one edit: swapping a number for an equal number of another
-    type in place (1 for True or 1.0). Two generations bound the memory to ``2 * limit`` entries.
+    validated (a deep comparison, cheap because the strings are shared; order- and type-true for free-form data,
+    see ``_StrictSnapshot``), so a dict changed in place is validated again. Entries live in a :class:`Memo`,
+    within the shared cache budget.
     """
 
-    def __init__(self, limit: int = 16_384) -> None:
-        self._limit = limit
-        self._new: dict[int, tuple[object, dict[str, Any], Message]] = {}
-        self._old: dict[int, tuple[object, dict[str, Any], Message]] = {}
+    def __init__(self) -> None:
+        self._memo: Memo[int, tuple[object, dict[str, Any], Message]] = Memo("messages.parsed", sizer=_parse_entry_size)
 
     def get(self, item: object) -> tuple[Message, dict[str, Any]] | None:
-        key = id(item)
-        entry = self._new.get(key) or self._old.get(key)
+        entry = self._memo.get(id(item))
         if entry is None or entry[0] is not item or entry[1] != item:
             return None
-        if key not in self._new:
-            self.put(item, entry[1], entry[2])
         return entry[2], entry[1]
 
     def put(self, item: object, snapshot: dict[str, Any], message: Message) -> None:
-        if len(self._new) >= self._limit:
-            self._old, self._new = self._new, {}
         # Holding the item keeps its id from being reused by another object while the entry lives.
-        self._new[id(item)] = (item, snapshot, message)
+        self._memo.put(id(item), (item, snapshot, message))
 
 
 _MEMO = _ParseMemo()
@@ -461,55 +738,87 @@ _MEMO = _ParseMemo()
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
-def _copy(value: Any) -> Any:
+class _TooDeep(Exception):
+    """Raised by ``_copy`` past :data:`MAX_DEPTH`; turned into an InvalidMessage with the depth found."""
+
+
+def _copy(value: Any, depth: int = 0) -> Any:
     """``copy.deepcopy`` for JSON-shaped data (dicts with string keys, lists, scalars), several times faster;
-    anything else goes to ``copy.deepcopy``."""
+    anything else goes to ``copy.deepcopy``. Refuses (``_TooDeep``) data nested deeper than ``MAX_DEPTH``."""
     kind = type(value)
     if kind in _SCALARS:
         return value
+    if depth >= MAX_DEPTH:
+        raise _TooDeep
     if kind is dict:
         if all(type(key) is str for key in value):
-            return {key: _copy(item) for key, item in value.items()}
-        return copy.deepcopy(value)
+            return {key: _copy(item, depth + 1) for key, item in value.items()}
+        return _deepcopy(value, depth)
     if kind is list:
-        return [_copy(item) for item in value]
+        return [_copy(item, depth + 1) for item in value]
+    return _deepcopy(value, depth)
+
+
+def _deepcopy(value: Any, depth: int) -> Any:
+    """``copy.deepcopy`` of data that is not JSON-shaped, once its nesting is known to be within bounds."""
+    if depth + _depth(value)[0] > MAX_DEPTH:
+        raise _TooDeep
     return copy.deepcopy(value)
+
+
+def _too_deep(data: Any, index: int | None) -> InvalidMessage:
+    """The error for a message nested deeper than :data:`MAX_DEPTH`: where, and how deep it goes."""
+    depth, top = _depth(data) if data is not None else (0, None)
+    found = f"{depth} levels deep" if depth else f"more than {MAX_DEPTH} levels deep"
+    where = f"{_where((top,))}: " if top is not None else ""
+    return InvalidMessage(f"{where}data nested {found}; at most {MAX_DEPTH} are allowed", index=index, fix=_DEPTH_FIX)
 
 
 def _parse_message(item: object, index: int | None) -> tuple[Message, _InputFormat, object]:
     """The validated message, the input's format, and what a later call can compare the input with to know it
     is unchanged (a deep copy of a dict, the Message itself; None when there is nothing cheap to compare)."""
     if isinstance(item, Message):
-        return item, "message", item
+        return item, "message", (_Exact(item) if _free_form(item) else item)
     fmt: _InputFormat
     if type(item) is dict:
         known = _MEMO.get(item)
         if known is not None:
             return known[0], "dict", known[1]
-        snapshot = _copy(item)
         try:
+            snapshot = _copy(item)
             message = Message.model_validate(_copy(snapshot))
+        except _TooDeep:
+            raise _too_deep(item, index) from None
         except ValidationError as exc:
             text, fix = _describe(exc)
             raise InvalidMessage(text, index=index, fix=fix) from None
+        snapshot = _check_of(message, snapshot)
         _MEMO.put(item, snapshot, message)
         return message, "dict", snapshot
-    if isinstance(item, Mapping):
-        data: Any = copy.deepcopy(dict(item))
-        fmt = "dict"
-    elif callable(getattr(item, "model_dump", None)):
-        # Plain model_dump(), as transformers does; the copy guards against objects that hand out their state.
-        data = copy.deepcopy(item.model_dump())  # type: ignore[attr-defined]
-        fmt = "object"
-    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-        data = dataclasses.asdict(item)
-        fmt = "object"
-    else:
-        raise InvalidMessage(
-            f"a message must be a dict or a Message, got {type(item).__name__}",
-            index=index,
-            fix='pass messages as dicts such as {"role": "user", "content": "..."}',
-        )
+    raw: Any = None
+    try:
+        if isinstance(item, Mapping):
+            raw = dict(item)
+            fmt = "dict"
+        elif callable(getattr(item, "model_dump", None)):
+            # Plain model_dump(), as transformers does; the copy guards against objects that hand out their state.
+            raw = item.model_dump()  # type: ignore[attr-defined]
+            fmt = "object"
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            try:
+                raw = dataclasses.asdict(item)
+            except RecursionError:
+                raise _TooDeep from None
+            fmt = "object"
+        else:
+            raise InvalidMessage(
+                f"a message must be a dict or a Message, got {type(item).__name__}",
+                index=index,
+                fix='pass messages as dicts such as {"role": "user", "content": "..."}',
+            )
+        data: Any = _copy(raw)
+    except _TooDeep:
+        raise _too_deep(raw, index) from None
     if not isinstance(data, dict):
         raise InvalidMessage(
             f"model_dump() of {type(item).__name__} returned {type(data).__name__}, not a dict",

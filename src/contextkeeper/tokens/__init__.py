@@ -1,5 +1,6 @@
 """Exact token counting: the protocol, the Hugging Face and mistral-common counters, and loading."""
 
+from ._sandbox import TemplateLimits
 from .base import Measurement, MessagesLike, TokenCounter, ToolsLike
 from .breakdown import Breakdown, breakdown
 from .hf import HFChatTemplateCounter, detect_content_format
@@ -14,6 +15,7 @@ __all__ = [
     "MediaCost",
     "MessagesLike",
     "MistralCounter",
+    "TemplateLimits",
     "TokenCounter",
     "ToolsLike",
     "breakdown",

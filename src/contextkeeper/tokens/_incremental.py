@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any
 
 import jinja2.meta
 from jinja2 import Template, nodes
+
+from .._memo import Memo
 
 __all__ = [
     "Guard",
@@ -513,16 +516,24 @@ def shared_suffix(a: Sequence[Any], b: Sequence[Any], same: Callable[[Any, Any],
     return shared_prefix(a[::-1], b[::-1], same)
 
 
-class IncrementalRenderer:
-    """Renders a split template, reusing each message's body output while its window is unchanged."""
+def _body_size(key: Any, entry: tuple[tuple[Any, ...], str]) -> int:
+    # The key (ints, flags, ids), the window and the body's text. The views the window holds are counted where the
+    # counter keeps them (its own memo of views, filled in the same count, so dropped at about the same time):
+    # counting them again for each of up to hundreds of bodies per render would cost more than the render.
+    window, text = entry
+    return sys.getsizeof(key) + 32 * len(key) + sys.getsizeof(window) + sys.getsizeof(text) + 64
 
-    def __init__(self, split: SplitTemplate, *, limit: int = 200_000, generations: int = 4) -> None:
+
+class IncrementalRenderer:
+    """Renders a split template, reusing each message's body output while its window is unchanged. The outputs
+    live in :class:`Memo` caches, within the shared cache budget."""
+
+    def __init__(self, split: SplitTemplate, *, generations: int = 4) -> None:
         self.split = split
-        self._limit = limit
         self._generations = generations
         # One memo per generation (what the head leaves for the body), newest last: a caller that alternates
         # between, say, counting with and without tools keeps both.
-        self._memos: dict[Any, dict[tuple[int, bool], tuple[tuple[Any, ...], str]]] = {}
+        self._memos: dict[Any, Memo[Any, tuple[tuple[Any, ...], str]]] = {}
         # Per generation: the last call's messages, body outputs and guard results.
         self._previous: dict[Any, tuple[list[Any], list[str], list[tuple[Any, ...]]]] = {}
         self._lock = threading.Lock()  # a memo and its generation change together
@@ -590,8 +601,8 @@ class IncrementalRenderer:
             ),
         )
         memo = self._memos.pop(generation, None)
-        if memo is None or len(memo) > self._limit:
-            memo = {}
+        if memo is None:
+            memo = Memo("incremental.bodies", sizer=_body_size)
         self._memos[generation] = memo
         self._keep_newest(self._memos)
         reach = split.reach
@@ -656,9 +667,11 @@ class IncrementalRenderer:
             cut = self._render_marked(context, head_text, count)
             if cut is not None:
                 bodies, tail_text = cut
-                for index, text in enumerate(bodies):
-                    window = _window(messages, index, reach)
-                    memo[key_of(index, window)] = (window, text)
+                windows = [_window(messages, index, reach) for index in range(len(bodies))]
+                memo.put_many(
+                    (key_of(index, window), (window, text))
+                    for index, (window, text) in enumerate(zip(windows, bodies, strict=True))
+                )
                 self._previous[generation] = (list(messages), bodies, marks)
                 self._keep_newest(self._previous)
                 return [head_text, *bodies, tail_text]
@@ -670,7 +683,7 @@ class IncrementalRenderer:
                 return known_text
             window = _window(messages, index, reach)
             text = body.render(scope_of(index))
-            memo[key_of(index, window)] = (window, text)
+            memo.put(key_of(index, window), (window, text))
             return text
 
         texts = [body_of(index) for index in before]

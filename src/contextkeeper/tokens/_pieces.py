@@ -26,11 +26,10 @@ import operator
 import re
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, cast
 
+from .._memo import Memo, text_key_size
 from ._incremental import shared_prefix, shared_suffix
-
-V = TypeVar("V")
 
 __all__ = ["PieceCounter"]
 
@@ -94,6 +93,7 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 _NO_SEGMENTS: tuple[list[str], list[int], list[int], int] = ([], [], [], 0)
+_INFOS = {(a, b): (a, b) for a in (False, True) for b in (False, True)}
 
 
 class _Splitter:
@@ -147,41 +147,6 @@ class _Splitter:
             last = end
         parts.append(text[last:])
         return parts
-
-
-class _Generational(Generic[V]):
-    """A bounded cache: two generations of dicts, the older dropped when the newer fills up.
-
-    Plain dict hits, no per-hit bookkeeping, and at most ``2 * limit`` entries.
-    """
-
-    __slots__ = ("_limit", "_new", "_old")
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._new: dict[str, V] = {}
-        self._old: dict[str, V] = {}
-
-    def get(self, key: str) -> V | None:
-        value = self._new.get(key)
-        if value is None:
-            value = self._old.get(key)
-            if value is not None:
-                self.put(key, value)
-        return value
-
-    def put(self, key: str, value: V) -> None:
-        if len(self._new) >= self._limit:
-            self._old = self._new
-            self._new = {}
-        self._new[key] = value
-
-    def __len__(self) -> int:
-        return len(self._new) + len(self._old)
-
-    def clear(self) -> None:
-        self._new.clear()
-        self._old.clear()
 
 
 # Pre-tokenizers that only cut the text (they add and change no characters; ByteLevel maps each byte to one
@@ -354,7 +319,7 @@ def _word_rule(backend: Any) -> re.Pattern[str] | None:
 class PieceCounter:
     """Counts ``len(tokenizer.encode(text, add_special_tokens=False))`` piece by piece, with a cache."""
 
-    def __init__(self, backend: Any, *, cache_entries: int = 50_000) -> None:
+    def __init__(self, backend: Any) -> None:
         self._backend = backend  # a tokenizers.Tokenizer
         self._plain: Any = None  # its copy without padding or truncation, made when needed (see _encoder)
         added = backend.get_added_tokens_decoder()  # id -> AddedToken
@@ -380,17 +345,19 @@ class PieceCounter:
         self._bound = _byte_bound(backend)
         self.in_blocks = _line_safe(backend)  # long pieces counted block by block (see _SPLIT_AT)
         self._words = _word_rule(backend)  # ASCII pieces counted by pre-tokens (see _word_rule)
-        self._word_tokens: _Generational[int] = _Generational(cache_entries)
+        # Every cache is a Memo: bounded, with all of contextkeeper's caches, by the shared byte budget.
+        self._word_tokens: Memo[str, int] = Memo("pieces.words", sizer=text_key_size)
         self._anchor = anchor
-        self._after: _Generational[int] = _Generational(cache_entries)
-        self._first: _Generational[int] = _Generational(1024)
-        self._alone: _Generational[int] = _Generational(16_384)
+        self._after: Memo[str, int] = Memo("pieces.after", sizer=text_key_size)
+        self._first: Memo[str, int] = Memo("pieces.first", sizer=text_key_size)
+        self._alone: Memo[str, int] = Memo("pieces.alone", sizer=text_key_size)
         # Segment counting (see count_segments): counts of whole chunks (the head's apart, its first piece being
         # counted without the anchor), and per segment whether it starts with an added token and whether it
         # cannot end inside one (no suffix of it is a proper prefix of an added token).
-        self._chunks: _Generational[int] = _Generational(cache_entries)
-        self._heads: _Generational[int] = _Generational(64)
-        self._infos: _Generational[tuple[bool, bool]] = _Generational(cache_entries)
+        self._chunks: Memo[str, int] = Memo("pieces.chunks", sizer=text_key_size)
+        self._heads: Memo[str, int] = Memo("pieces.heads", sizer=text_key_size)
+        self._infos: Memo[str, tuple[bool, bool]] = Memo("pieces.infos", sizer=text_key_size)
+        self._new_infos: list[tuple[str, tuple[bool, bool]]] | None = None  # infos found in this count
         contents = [content for content, _ in patterns]
         self._prefixes = frozenset(c[:i] for c in contents for i in range(1, len(c)))
         self._first_chars = frozenset(c[0] for c in contents)
@@ -498,17 +465,23 @@ class PieceCounter:
         elif old and shared == len(texts) == len(old):
             return old_total
         # The chunks in between: (start, text) of each, counted from the cache or in one batch.
-        info_of = self._infos._new.get
+        info_of = self._infos.recent()
         found: list[tuple[int, str]] = []
         begin = resume
         clean = False
-        for index in range(resume, stop):
-            segment = texts[index]
-            info = info_of(segment) or self._info(segment)
-            if index > begin and info[0] and clean:  # a chunk ends here
-                found.append((begin, texts[begin] if index - begin == 1 else "".join(texts[begin:index])))
-                begin = index
-            clean = info[1]
+        self._new_infos = []
+        try:
+            for index in range(resume, stop):
+                segment = texts[index]
+                info = info_of(segment) or self._info(segment)
+                if index > begin and info[0] and clean:  # a chunk ends here
+                    found.append((begin, texts[begin] if index - begin == 1 else "".join(texts[begin:index])))
+                    begin = index
+                clean = info[1]
+        finally:
+            if self._new_infos:
+                self._infos.put_many(self._new_infos)
+            self._new_infos = None
         if begin < stop:
             found.append((begin, texts[begin] if stop - begin == 1 else "".join(texts[begin:stop])))
         counts = self._count_chunks([(start == 0, chunk) for start, chunk in found])
@@ -536,11 +509,17 @@ class PieceCounter:
             if known is None:
                 misses.append((len(counts) - 1, head, chunk, self._split(chunk)))
         found = self._cut_tokens([parts for _, _, _, parts in misses], first=False)
+        new_chunks: list[tuple[str, int]] = []
         for (position, head, chunk, parts), tokens in zip(misses, found, strict=True):
-            if head and parts[0]:  # text before the head's first added token
-                tokens += self._first_piece(parts[0])
-            (self._heads if head else self._chunks).put(chunk, tokens)
+            if head:
+                if parts[0]:  # text before the head's first added token
+                    tokens += self._first_piece(parts[0])
+                self._heads.put(chunk, tokens)
+            else:
+                new_chunks.append((chunk, tokens))
             counts[position] = tokens
+        if new_chunks:
+            self._chunks.put_many(new_chunks)
         return counts
 
     def _cut_tokens(self, cuts: list[list[str]], *, first: bool) -> list[int]:
@@ -570,8 +549,11 @@ class PieceCounter:
                 while at >= 0 and ends_clean:
                     ends_clean = tail[at:] not in self._prefixes
                     at = tail.find(char, at + 1)
-            info = (starts, ends_clean)
-            self._infos.put(segment, info)
+            info = _INFOS[starts, ends_clean]  # shared tuples: an entry holds no tuple of its own
+            if self._new_infos is not None:
+                self._new_infos.append((segment, info))  # put in one batch when the count is done
+            else:
+                self._infos.put(segment, info)
         return info
 
     def _first_piece(self, piece: str) -> int:
@@ -621,14 +603,13 @@ class PieceCounter:
             # Byte-level BPE without a prefix space: a text's first piece counts as any piece after an added
             # token, so the text is its pieces, and long pieces are their blocks (shared with the prompt's).
             found = self._cut_tokens([self._split(text) for text in missing], first=True)
-            for text, tokens in zip(missing, found, strict=True):
-                cache.put(text, tokens)
+            cache.put_many(zip(missing, found, strict=True))
         elif missing:
             self.encoded_chars += sum(map(len, missing))
             encoder = self._encoder()
             encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
-            for text, encoding in zip(missing, encode(missing, add_special_tokens=False), strict=True):
-                cache.put(text, len(encoding))
+            encodings = encode(missing, add_special_tokens=False)
+            cache.put_many((text, len(encoding)) for text, encoding in zip(missing, encodings, strict=True))
         return [self.alone(t) for t in texts]
 
     def _resume_point(self, text: str) -> tuple[int, int, int]:
@@ -678,12 +659,9 @@ class PieceCounter:
             encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
             encodings = encode([anchor + p for p in todo], add_special_tokens=False)
             lengths.update((p, len(e) - 1) for p, e in zip(todo, encodings, strict=True))
-        for piece, n in lengths.items():
-            self._after.put(piece, n)
         for piece, blocks in blocks_of.items():
-            n = sum(lengths[block] if block in lengths else known[block] or 0 for block in blocks)
-            lengths[piece] = n
-            self._after.put(piece, n)
+            lengths[piece] = sum(lengths[block] if block in lengths else known[block] or 0 for block in blocks)
+        self._after.put_many(lengths.items())
         return lengths
 
     def _by_words(self, texts: list[str]) -> list[int]:
@@ -697,15 +675,16 @@ class PieceCounter:
         if new:
             self.encoded_chars += sum(map(len, new))
             tokenize = self._backend.model.tokenize
-            for word in new:
-                n = counts[word] = len(tokenize(word.translate(_BYTE_SYMBOLS)))
-                cache.put(word, n)
+            found = [(word, len(tokenize(word.translate(_BYTE_SYMBOLS)))) for word in new]
+            counts.update(found)
+            cache.put_many(found)
         get = cast(Callable[[str], int], counts.__getitem__)  # every value is set by now
         return [sum(map(get, words)) for words in split]
 
     def fork(self) -> PieceCounter:
         """A counter sharing this one's piece caches (counts depend only on the piece text) with resume state of
-        its own. The caches are plain dicts: a lost entry between threads costs a re-encode, never a wrong count."""
+        its own. The caches are thread-safe memos; an entry dropped between two threads' reads costs a re-encode,
+        never a wrong count."""
         clone = copy.copy(self)
         clone.encoded_chars = 0
         clone._last, clone._bounds, clone._totals = "", [], []

@@ -10,7 +10,11 @@ from .._exceptions import ChatTemplateError
 from ..messages import Conversation
 from .base import MessagesLike, TokenCounter, ToolsLike
 
-__all__ = ["Breakdown", "HeadCounts", "breakdown", "head_counts", "prompt_slots", "split_slots"]
+__all__ = ["SLOTS", "Breakdown", "HeadCounts", "breakdown", "head_counts", "prompt_slots", "split_slots"]
+
+
+#: The slots of a prompt, in prompt order (a fit's report adds ``answer``, and ``withheld`` where it applies).
+SLOTS = ("system", "tools", "history", "request", "template_overhead")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +35,11 @@ class Breakdown:
     messages: dict[str, int]
     estimated: bool = False
     notes: tuple[str, ...] = field(default=())
+
+    @property
+    def slots(self) -> dict[str, int]:
+        """The slots in prompt order, named as in a fit's ``report.slots``."""
+        return {name: getattr(self, name) for name in SLOTS}
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)

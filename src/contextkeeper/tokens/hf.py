@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import functools
 import logging
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -13,11 +13,20 @@ import jinja2
 import jinja2.meta
 import jinja2.nodes
 
-from .._exceptions import ChatTemplateError
-from ..messages import ContentPart, Conversation, Message, server_view_message
+from .._exceptions import ChatTemplateError, CountingError
+from .._memo import Memo, data_size, memoize
+from ..messages import (
+    ContentPart,
+    Conversation,
+    Message,
+    check_text,
+    check_tools,
+    server_view_message,
+    surrogate_at,
+)
 from ._incremental import IncrementalRenderer, SplitTemplate, shared_prefix, shared_suffix, split_template
 from ._pieces import PieceCounter
-from ._sandbox import FROZEN_JSON, compile_template, same_values
+from ._sandbox import FROZEN_JSON, TemplateLimits, bounded, compile_template, limits_of, same_values
 from .base import Measurement, MessagesLike, ToolsLike
 from .media import MediaCost, media_cost_for
 
@@ -62,7 +71,15 @@ def _template_variables(source: str) -> frozenset[str]:
     return frozenset(jinja2.meta.find_undeclared_variables(ast))
 
 
-@functools.lru_cache(maxsize=64)
+def _split_size(key: Any, split: Any) -> int:
+    if not isinstance(split, SplitTemplate):
+        return 64  # a template that cannot be split: its None remembered
+    # The marked whole, head, body and tail, compiled: at most 107 bytes per source character over the templates
+    # the tests fetch (see compile_template's estimate).
+    return 128 * len(key[0]) + 128 * 1024
+
+
+@memoize("hf.split_templates", sizer=_split_size)
 def _split(source: str) -> SplitTemplate | None:
     """The template cut at its message loop (see ``split_template``), compiled once per source and process, like
     the template itself: counters of the same template (a keeper's main and side counters) share it."""
@@ -72,6 +89,39 @@ def _split(source: str) -> SplitTemplate | None:
 def _parse(source: str) -> jinja2.nodes.Template:
     # The sandbox environment knows transformers' extra tags ({% generation %}), so parse with it.
     return compile_template(source).environment.parse(source)
+
+
+def _compile(source: str, name: str) -> None:
+    """Compile ``source`` now, so a template that does not compile is refused when the counter is built."""
+    try:
+        compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"the chat template of {name} does not compile: line {exc.lineno}: {exc.message}. Fix: correct the "
+            "template, or pass another chat_template.",
+            template_message=str(exc),
+        ) from exc
+    except Exception as exc:  # the template's code: whatever Jinja or Python's compiler refuses in it
+        raise ChatTemplateError(
+            f"the chat template of {name} does not compile ({type(exc).__name__}: {exc}). Fix: correct the "
+            "template, or pass another chat_template.",
+            template_message=f"{type(exc).__name__}: {exc}",
+        ) from exc
+
+
+def _view_size(key: Any, entry: tuple[Message, dict[str, Any], list[ContentPart]]) -> int:
+    # The message and its view, estimated from the message's fields without walking either (this runs for every
+    # new message of a count): their objects, the text they share, and a tool call's parsed arguments (new
+    # objects, about three times the JSON's length).
+    message, view, media = entry
+    size = 1536 + sum(sys.getsizeof(value) for value in view.values() if type(value) is str)
+    content = view.get("content")
+    if type(content) is list:
+        size += data_size(content)
+    for call in message.tool_calls or ():
+        arguments = call.function.arguments
+        size += 2048 + (3 * sys.getsizeof(arguments) if type(arguments) is str else 2 * data_size(arguments))
+    return size + (data_size(media) if media else 0)
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -100,6 +150,7 @@ class HFChatTemplateCounter:
     sandbox; the rendered text is counted piece by piece between special tokens, with a cache, so a new turn
     costs its own text. Templates whose message loop provably depends only on each message's own window are
     rendered message by message with each output remembered (``incremental=False`` always renders whole).
+    Every render is bounded by ``template_limits`` (steps, output, time, nesting; see :class:`TemplateLimits`).
     """
 
     def __init__(
@@ -113,8 +164,10 @@ class HFChatTemplateCounter:
         media_cost: MediaCost | None = None,
         name: str | None = None,
         incremental: bool = True,
+        template_limits: TemplateLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.template_limits = limits_of(template_limits)
         self.name = name or str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         source = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         if not source:
@@ -127,6 +180,8 @@ class HFChatTemplateCounter:
         self.template_kwargs = dict(template_kwargs or {})
         self.view: View = view
         sources = [source] if isinstance(source, str) else list(source.values())
+        for template_source in sources:
+            _compile(template_source, self.name)
         self.content_format: Literal["string", "openai"] = (
             detect_content_format("\n".join(sources)) if content_format == "auto" else content_format
         )
@@ -138,7 +193,8 @@ class HFChatTemplateCounter:
         self.ignores_tools = "tools" not in variables
         self._warned_tools = False
         self._lock = threading.Lock()
-        self._views: dict[int, tuple[Message, dict[str, Any], list[ContentPart]]] = {}
+        # Template-ready views by message identity; an entry holds its message, so the id stays unique.
+        self._views: Memo[int, tuple[Message, dict[str, Any], list[ContentPart]]] = Memo("hf.views", sizer=_view_size)
         self._last_view: tuple[tuple[Message, ...], list[dict[str, Any]], list[tuple[int, ContentPart]]] = ((), [], [])
         self._last_conversation: Conversation | None = None
         self._tools: list[dict[str, Any]] | None = None
@@ -227,11 +283,15 @@ class HFChatTemplateCounter:
             return None
         if type(tools) is _FrozenTools:
             return tools  # made by a counter from a deep copy, and never handed to the caller
+        if not all(isinstance(t, Mapping) for t in tools):
+            check_tools(tools)  # says which schema is not an object
         given = [dict(t) for t in tools]
         with self._lock:
             last = self._tools
+            # Order- and type-true: schemas with their keys in another order render (and count) differently.
             if last is not None and len(given) == len(last) and all(map(same_values, given, last)):
                 return last
+            check_tools(given)
             mine = _FrozenTools(copy.deepcopy(given))
             FROZEN_JSON.register(mine)
             if last is not None:
@@ -266,17 +326,19 @@ class HFChatTemplateCounter:
         elif last_messages:
             # A window that dropped its oldest messages ends with the previous call's: take those views whole too.
             stop -= shared_suffix(messages, last_messages)
+        new: list[tuple[int, tuple[Message, dict[str, Any], list[ContentPart]]]] = []
+        recent = cache.recent()
         for index in range(start, stop):
             message = messages[index]
-            entry = cache.get(id(message))
+            entry = recent(id(message)) or cache.get(id(message))
             if entry is None or entry[0] is not message:
                 entry = (message, *self._view_one(message))
-                if len(cache) >= 65_536:
-                    cache.clear()
-                cache[id(message)] = entry  # the entry holds the message, so its id stays unique
+                new.append((id(message), entry))
             plain.append(entry[1])
             if entry[2]:
                 media.extend((index, part) for part in entry[2])
+        if new:
+            cache.put_many(new)
         if stop < len(messages):
             shift = len(messages) - len(last_messages)
             plain.extend(last_plain[stop - shift :])
@@ -328,9 +390,12 @@ class HFChatTemplateCounter:
             self._renderers[source] = IncrementalRenderer(split) if split is not None else None
         renderer = self._renderers[source]
         try:
-            if renderer is not None:
-                return renderer.render_segments(context)
-            return [template.render(context)]
+            with bounded(self.template_limits):
+                if renderer is not None:
+                    return renderer.render_segments(context)
+                return [template.render(context)]
+        except CountingError:
+            raise  # a bound the sandbox enforced, or a refusal it worded: already clear
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(
                 f"the chat template of {self.name} rejected these messages: {str(exc).rstrip('.!')}. This model's "
@@ -338,7 +403,14 @@ class HFChatTemplateCounter:
                 "messages or alternate user/assistant), or pass another chat_template.",
                 template_message=str(exc),
             ) from exc
-        except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
+        except RecursionError as exc:
+            raise ChatTemplateError(
+                f"the chat template of {self.name} recursed deeper than Python's stack allows. Fix: lower "
+                f"template_limits.nesting (now {self.template_limits.nesting}) so it is stopped sooner, or use "
+                "another template.",
+                template_message=f"{type(exc).__name__}: {exc}",
+            ) from exc
+        except (TypeError, LookupError, AttributeError, ValueError, ArithmeticError, MemoryError) as exc:
             raise ChatTemplateError(
                 f"the chat template of {self.name} failed on these messages ({type(exc).__name__}: {exc}). "
                 "It expects another message shape; check optional fields such as content=None or tool_calls.",
@@ -349,14 +421,14 @@ class HFChatTemplateCounter:
         """The prompt text the template produces for ``messages`` (after the configured preprocessing)."""
         conversation = self._conversation(messages)
         plain, _ = self._view(conversation)
-        return self.render_view(
-            plain,
-            tools=[dict(t) for t in tools] if tools else None,
-            add_generation_prompt=add_generation_prompt,
-        )
+        return self.render_view(plain, tools=self._tool_list(tools), add_generation_prompt=add_generation_prompt)
 
     def count_text(self, text: str) -> int:
         """Tokens of an already-rendered prompt, no special tokens added."""
+        check_text(text)
+        return self._count_text(text)
+
+    def _count_text(self, text: str) -> int:
         if self._pieces is None:
             return len(self.tokenizer.encode(text, add_special_tokens=False))
         with self._lock:
@@ -364,10 +436,22 @@ class HFChatTemplateCounter:
 
     def _count_segments(self, segments: list[str]) -> int:
         """Tokens of the prompt ``"".join(segments)``."""
-        if self._pieces is None or len(segments) == 1:
-            return self.count_text("".join(segments))
-        with self._lock:
-            return self._pieces.count_segments(segments)
+        try:
+            if self._pieces is None or len(segments) == 1:
+                return self._count_text("".join(segments))
+            with self._lock:
+                return self._pieces.count_segments(segments)
+        except (TypeError, UnicodeError) as exc:
+            # Messages and tools are checked for lone surrogates when they come in: the template wrote this one.
+            for segment in segments:
+                position = surrogate_at(segment)
+                if position is not None:
+                    raise ChatTemplateError(
+                        f"the chat template of {self.name} wrote a lone surrogate {segment[position]!r} (not valid "
+                        "Unicode), which no tokenizer or server can encode. Fix: use another template.",
+                        template_message=str(exc),
+                    ) from exc
+            raise
 
     def fork(self) -> HFChatTemplateCounter:
         """A counter with the same tokenizer and settings and incremental state of its own, for counts that should
@@ -382,6 +466,7 @@ class HFChatTemplateCounter:
             media_cost=self.media_cost,
             name=self.name,
             incremental=self.incremental,
+            template_limits=self.template_limits,
         )
         if self._pieces is not None and clone._pieces is not None and self._pieces.fast and clone._pieces.fast:
             clone._pieces = self._pieces.fork()
@@ -389,6 +474,7 @@ class HFChatTemplateCounter:
 
     def text_tokens(self, text: str) -> int:
         """Tokens of a snippet on its own (no template, no special tokens), cached by text."""
+        check_text(text)
         if self._pieces is None:
             return len(self.tokenizer.encode(text, add_special_tokens=False))
         with self._lock:
@@ -400,6 +486,8 @@ class HFChatTemplateCounter:
 
     def text_tokens_many(self, texts: Sequence[str]) -> list[int]:
         """:meth:`text_tokens` of each text, the uncached ones tokenized in one batch."""
+        for text in texts:
+            check_text(text)
         if self._pieces is None:
             return [self.text_tokens(text) for text in texts]
         with self._lock:

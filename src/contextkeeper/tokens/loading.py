@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .._exceptions import TokenizerNotFound
+from ._sandbox import TemplateLimits
 from .hf import ContentFormat, HFChatTemplateCounter, View
 from .media import MediaCost
 from .mistral import MistralCounter
@@ -102,10 +103,12 @@ def load_counter(
     view: View = "server",
     content_format: ContentFormat = "auto",
     media_cost: MediaCost | None = None,
+    template_limits: TemplateLimits | None = None,
 ) -> HFChatTemplateCounter | MistralCounter:
     """A counter for ``spec``: ``mistral:<name>``, a tokenizer folder, a ``.gguf`` file, or a hub id.
 
-    ``chat_template`` (Jinja source) overrides the tokenizer's own template.
+    ``chat_template`` (Jinja source) overrides the tokenizer's own template; ``template_limits`` bounds its
+    renders (see :class:`TemplateLimits`; mistral-common encoders run no template and take none).
     """
     if spec.startswith("mistral:"):
         if chat_template is not None:
@@ -123,4 +126,5 @@ def load_counter(
         content_format=content_format,
         media_cost=media_cost,
         name=spec,
+        template_limits=template_limits,
     )
