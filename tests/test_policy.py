@@ -67,10 +67,10 @@ def _write(tmp_path: Path, text: str) -> Path:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('name = "x"\ncolour = "red"\n', r"colour: Extra inputs are not permitted"),
+        ('name = "x"\ncolour = "red"\n', r"colour = 'red': unknown key; the keys are name, description"),
         (
             'name = "x"\n[[steps]]\nstrategy = "compress_harder"\n',
-            r"steps\[0\]\.strategy: unknown strategy 'compress_harder'",
+            r"steps\[0\]\.strategy = 'compress_harder': unknown strategy",
         ),
         ('name = "x"\n[[steps]]\nstrategy = "truncate"\nmax_tokenz = 5\n', r"steps\[0\] \(truncate\).*max_tokenz"),
         ('name = "x"\n[[steps]]\nstrategy = "dedupe"\nwhen = "sometimes"\n', r"unknown trigger 'sometimes'"),

@@ -141,10 +141,10 @@ def result_message(state: FitState, unit: int = 1, item: int = 1) -> Message:
     return state.history[unit][item].message
 
 
-def scores_for(model: str | None, query: str, texts: Sequence[str]) -> list[float]:
-    if model == "lexical":
+def scores_for(strategy: Retrieval, query: str, texts: Sequence[str]) -> list[float]:
+    if not strategy.uses_embeddings:
         return lexical_scores(query, texts)
-    embedder = get_embedder(model)
+    embedder = get_embedder(strategy.model)
     assert embedder is not None
     return embedder.similarities(query, texts)
 
@@ -158,19 +158,18 @@ def embedder() -> Embedder:
     return loaded
 
 
-@pytest.fixture(params=["lexical", None], ids=["lexical", "embeddings"])
-def scorers(request: pytest.FixtureRequest) -> str | None:
-    """The strategy's ``model`` setting: BM25 only, or the default (the bundled MiniLM model)."""
-    model: str | None = request.param
-    if model is None:
+@pytest.fixture(params=[False, True], ids=["lexical", "embeddings"])
+def scorers(request: pytest.FixtureRequest) -> Retrieval:
+    """The strategy with BM25 (the default) or with embeddings (``embeddings=True``: the bundled MiniLM model)."""
+    if request.param:
         request.getfixturevalue("embedder")
-    return model
+    return Retrieval(embeddings=request.param)
 
 
 # ------------------------------------------------------------------------------------------------ strategy
 
 
-def test_unrelated_passages_go_first_and_only_as_many_as_needed(scorers: str | None) -> None:
+def test_unrelated_passages_go_first_and_only_as_many_as_needed(scorers: Retrieval) -> None:
     state = make_state(conversation())
     before = state.tokens()
     # Room for the X passages and some unrelated ones: dropping about two unrelated passages is needed.
@@ -178,7 +177,7 @@ def test_unrelated_passages_go_first_and_only_as_many_as_needed(scorers: str | N
     counted: Counted = state.count  # type: ignore[assignment]
     counted.calls = 0
 
-    result = Retrieval(model=scorers).apply(state)
+    result = scorers.apply(state)
 
     after = exact(result)
     assert after <= result.limit
@@ -193,23 +192,21 @@ def test_unrelated_passages_go_first_and_only_as_many_as_needed(scorers: str | N
     ranked = sorted(range(len(PASSAGES)), key=lambda i: (scores[i], -i))
     assert set(dropped) == {PASSAGES[i] for i in ranked[: len(dropped)]}
     # ...and one fewer would not fit.
-    one_fewer = Retrieval(model=scorers)._rebuild(
-        state, Retrieval(model=scorers)._targets(state), [(0, i) for i in ranked[: len(dropped) - 1]]
-    )[0]
+    one_fewer = scorers._rebuild(state, scorers._targets(state), [(0, i) for i in ranked[: len(dropped) - 1]])[0]
     assert state.tokens(one_fewer) > state.limit
     (action,) = result.actions
     assert action.strategy == "retrieval"
     assert action.saved == before - after
     assert action.units == 1
     assert f"removed {len(dropped)} of 7" in action.detail
-    assert ("embeddings: all-MiniLM-L6-v2" if scorers is None else "lexical: BM25") in action.detail
+    assert ("embeddings: all-MiniLM-L6-v2" if scorers.uses_embeddings else "lexical: BM25") in action.detail
     assert counted.calls <= 6, f"{counted.calls} exact counts for one result"
 
 
-def test_rebuilt_result_keeps_the_pairing_and_everything_else(scorers: str | None) -> None:
+def test_rebuilt_result_keeps_the_pairing_and_everything_else(scorers: Retrieval) -> None:
     state = make_state(conversation())
     state = with_limit(state, state.tokens() - 100)
-    result = Retrieval(model=scorers).apply(state)
+    result = scorers.apply(state)
 
     old, new = state.history[1][1], result.history[1][1]
     assert new.origin is None
@@ -401,7 +398,7 @@ def test_settings_from_a_policy_file() -> None:
         Retrieval(min_keep=-1)
     with pytest.raises(ConfigurationError, match="marker"):
         Retrieval(marker="{count} removed")
-    with pytest.raises(ConfigurationError, match="unexpected keyword"):
+    with pytest.raises(ConfigurationError, match=r"keep = 3: unknown key"):
         build_strategy("retrieval", {"keep": 3})
 
 

@@ -504,7 +504,7 @@ def test_registered_with_defaults_and_checked_settings() -> None:
         Summarize(retries=-1)
     with pytest.raises(ConfigurationError, match="keep_recent"):
         Summarize(keep_recent=-2)
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigurationError, match="keyword arguments"):
         Summarize(4)  # type: ignore[misc]
 
 
@@ -529,10 +529,12 @@ def test_similarity_gate_with_a_real_embedding_model(counter: Any) -> None:
         pytest.skip("contextkeeper.strategies._embeddings is not available")
     if get_embedder(None) is None:
         pytest.skip("no embedding model loads here")
-    passed = run_sync(Summarize(), make_state(counter), Model(FAITHFUL))
+    plain = run_sync(Summarize(), make_state(counter), Model(FAITHFUL))
+    assert "similarity" not in plain.actions[0].detail  # no meaning check unless the step asks for it
+    passed = run_sync(Summarize(embeddings=True), make_state(counter), Model(FAITHFUL))
     assert "similarity" in passed.actions[0].detail
     state = make_state(counter)
-    strict = run_sync(Summarize(similarity_threshold=1.0), state, Model(FAITHFUL))
+    strict = run_sync(Summarize(embeddings=True, similarity_threshold=1.0), state, Model(FAITHFUL))
     assert strict.history == state.history
     assert "similarity" in strict.actions[0].detail
 

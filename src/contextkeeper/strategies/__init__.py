@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+from ._embeddings import get_embedder
 from .base import (
     STRATEGIES,
     Action,
@@ -16,12 +17,14 @@ from .base import (
     Pipeline,
     Step,
     Strategy,
+    StrategySettings,
     Trigger,
     TurnCount,
     build_strategy,
     register,
     run_async,
     run_sync,
+    settings_model,
 )
 
 __all__ = [
@@ -36,12 +39,15 @@ __all__ = [
     "Pipeline",
     "Step",
     "Strategy",
+    "StrategySettings",
     "Trigger",
     "TurnCount",
     "build_strategy",
+    "get_embedder",
     "register",
     "run_async",
     "run_sync",
+    "settings_model",
 ]
 
 # Each built-in strategy registers itself when its module is imported.

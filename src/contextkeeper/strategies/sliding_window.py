@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
-from .base import Action, FitState, register
+from pydantic import Field
+
+from .base import Action, FitState, StrategySettings, register
 
 
 @register("sliding_window")
-@dataclass(frozen=True, kw_only=True)
-class SlidingWindow:
+class SlidingWindow(StrategySettings):
     """Keep a suffix of whole units that fits, starting on a user turn (or empty history).
 
     When units must go, the kept prompt leaves ``slack`` of the budget free, so the next turns only append (the
@@ -20,8 +20,9 @@ class SlidingWindow:
     by interpolating the counts already made over each unit's characters, so a fit usually costs two counts.
     """
 
-    slack: float = 0.05  # when units must go, leave this share of the budget free
-    tolerance: float = 0.01  # a suffix this share of the budget below the mark is as good as the longest
+    slack: float = Field(default=0.05, ge=0, lt=1)  # when units must go, leave this share of the budget free
+    # A suffix this share of the budget below the mark is as good as the longest.
+    tolerance: float = Field(default=0.01, ge=0, lt=1)
     # Leave the slack free even when the history fits: older units are gone already (the keeper sets this for a
     # fresh read that dropped history beyond its horizon unread), so the next turns should only append.
     after_cut: bool = False

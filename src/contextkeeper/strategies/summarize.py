@@ -2,9 +2,11 @@
 
 The strategy asks the summarizer backend (through :class:`LLMCall`) to summarise the oldest units, then checks
 the reply: every fact extracted from the sources (numbers, ids, names, constraints, open tasks; see
-:mod:`._facts`) must be in it and, when an embedding model is available, it must stay close in meaning to the
-sources. A reply that fails is sent back with the missing items named, a bounded number of times; a backend
-error counts as a failed attempt. When no attempt passes, the history is returned unchanged with an action
+:mod:`._facts`) must be in it and, when the step asks for the meaning check (``embeddings = true`` or an
+``embedding_model``), it must stay close in meaning to the sources. A reply that fails is sent back with the
+missing items named, a bounded number of times; a backend error counts as a failed attempt. The bound holds per
+fit (per ``FitState.turn``): the keeper may re-read history within one fit, and the calls of all its reads
+count together. When no attempt passes, the history is returned unchanged with an action
 saying so, and later strategies (the sliding window) take over: sources are never dropped here unless a
 verified summary replaces them.
 
@@ -20,16 +22,17 @@ the prompt fits with it, and otherwise becomes the previous summary that the nex
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .._exceptions import ConfigurationError
+from pydantic import Field, model_validator
+
 from ..messages import Message
+from ._embeddings import load_in_fit
 from ._facts import ALL_KINDS, Fact, Source, extract, missing
-from .base import Action, FitState, Item, LLMCall, Step, Unit, register
+from .base import Action, FitState, Item, LLMCall, Step, StrategySettings, Unit, register
 
 __all__ = ["ACKNOWLEDGEMENT", "SUMMARY_PREFIX", "SYSTEM_PROMPT", "Summarize"]
 
@@ -52,6 +55,8 @@ Write in the language of the transcript. If a previous summary is given, merge i
 that still holds. Answer with the summary only."""
 
 _MEMORY_KEY = "summarize"
+_CALLS_KEY = "summarize/calls"  # this fit's summarizer calls (see _Calls)
+_EMBEDDINGS_KEY = "summarize/embeddings"
 _CHUNK_CHARS = 800  # the meaning check compares the summary with chunks this long (within a small model's window)
 _CHUNKS = 32  # at most this many, spread over the transcript
 _CACHE_SIZE = 64  # verified summaries kept per keeper
@@ -70,41 +75,61 @@ class _Outcome:
     note: str  # what verified it, or why it failed
 
 
+@dataclass
+class _Calls:
+    """The summarizer calls made in one fit (one ``FitState.turn``). The keeper re-reads history up to a few
+    times within a fit, and each read runs the pipeline again: kept in the keeper's memory, this bounds the
+    calls of the whole fit, not of each read."""
+
+    turn: int
+    made: int = 0
+    last: str = ""  # why the latest summary failed, for a later read that has no calls left
+
+    @classmethod
+    def of(cls, state: FitState) -> _Calls:
+        calls = state.memory.get(_CALLS_KEY)
+        if not isinstance(calls, _Calls) or calls.turn != state.turn:
+            calls = state.memory[_CALLS_KEY] = cls(state.turn)
+        return calls
+
+
 @register("summarize")
-@dataclass(frozen=True, kw_only=True)
-class Summarize:
+class Summarize(StrategySettings):
     """Summarise the oldest history units with the summarizer backend; keep the summary only once verified.
 
     ``keep_recent``: newest units never summarised. ``max_summary_tokens``: the answer budget of each call.
-    ``retries``: attempts after the first. ``min_units``: fewer new units than this are not worth a call.
-    ``similarity_threshold``/``embedding_model``: the meaning check, used only when an embedding model loads
-    (``embedding_model``: a local sentence-transformers folder; None: the default that ``._embeddings`` ships).
+    ``retries``: attempts after the first; one fit makes at most ``1 + retries`` calls. ``min_units``: fewer new
+    units than this are not worth a call. ``embeddings``/``embedding_model``/``similarity_threshold``: the
+    meaning check, only when asked for (``embedding_model``, a local sentence-transformers folder, implies it;
+    unset: the bundled all-MiniLM-L6-v2). Loading the model imports torch: seconds, once per process.
     """
 
     name: ClassVar[str] = "summarize"
     needs_backend: ClassVar[bool] = True  # the keeper skips this step when no summarizer is set
 
-    keep_recent: int = 4
-    max_summary_tokens: int = 512
-    retries: int = 2
-    min_units: int = 2
-    similarity_threshold: float = 0.35
-    embedding_model: str | None = None
+    keep_recent: int = Field(default=4, ge=0)
+    max_summary_tokens: int = Field(default=512, ge=1)
+    retries: int = Field(default=2, ge=0)
+    min_units: int = Field(default=2, ge=1)
+    similarity_threshold: float = Field(default=0.35, ge=-1, le=1)
+    embeddings: bool = False
+    embedding_model: str | None = Field(
+        default=None, json_schema_extra={"allowed": "the path of a local sentence-transformers folder"}
+    )
 
-    def __post_init__(self) -> None:
-        problems = []
-        if self.keep_recent < 0:
-            problems.append(f"keep_recent must be >= 0, got {self.keep_recent}")
-        if self.max_summary_tokens < 1:
-            problems.append(f"max_summary_tokens must be >= 1, got {self.max_summary_tokens}")
-        if self.retries < 0:
-            problems.append(f"retries must be >= 0, got {self.retries}")
-        if self.min_units < 1:
-            problems.append(f"min_units must be >= 1, got {self.min_units}")
-        if not -1.0 <= self.similarity_threshold <= 1.0:
-            problems.append(f"similarity_threshold must be between -1 and 1, got {self.similarity_threshold}")
-        if problems:
-            raise ConfigurationError(f"strategy 'summarize': {'; '.join(problems)}")
+    @model_validator(mode="after")
+    def _check_embeddings(self) -> Summarize:
+        if self.embedding_model is not None and not self.embeddings and "embeddings" in self.model_fields_set:
+            raise ValueError(
+                f"embedding_model = {self.embedding_model!r} with embeddings = false: leave embeddings out, or the "
+                "model"
+            )
+        return self
+
+    @property
+    def uses_embeddings(self) -> bool:
+        """Whether a verified summary must also pass the meaning check (which loads an embedding model)."""
+        return self.embeddings or self.embedding_model is not None
 
     # ------------------------------------------------------------------------------------------- apply
 
@@ -135,7 +160,7 @@ class Summarize:
         else:
             previous = _summary_text(history[0]) if block else None
             start = block
-        outcome = yield from self._attempts(previous, history, start, cut)
+        outcome = yield from self._attempts(state, previous, history, start, cut)
         if outcome.summary is not None:
             entry = _Entry.make(outcome.summary)
             _store(cache, keys[cut], entry)
@@ -178,9 +203,34 @@ class Summarize:
     # ---------------------------------------------------------------------------------------- attempts
 
     def _attempts(
-        self, previous: str | None, history: tuple[Unit, ...], start: int, cut: int
+        self, state: FitState, previous: str | None, history: tuple[Unit, ...], start: int, cut: int
     ) -> Generator[LLMCall, str, _Outcome]:
-        """Ask for the summary of ``previous`` + ``history[start:cut]`` until one passes verification."""
+        """Ask for the summary of ``previous`` + ``history[start:cut]`` until one passes verification, within
+        the calls this fit has left."""
+        calls = _Calls.of(state)
+        attempts = 1 + self.retries - calls.made
+        if attempts <= 0:
+            there = f"; there the summary {calls.last}" if calls.last else ""
+            return _Outcome(
+                None,
+                f"was not attempted: an earlier read of this fit's history made the {calls.made} summarizer "
+                f"call(s) that retries = {self.retries} allows{there}",
+            )
+        outcome = yield from self._ask(state, calls, attempts, previous, history, start, cut)
+        if outcome.summary is None:
+            calls.last = outcome.note
+        return outcome
+
+    def _ask(
+        self,
+        state: FitState,
+        calls: _Calls,
+        attempts: int,
+        previous: str | None,
+        history: tuple[Unit, ...],
+        start: int,
+        cut: int,
+    ) -> Generator[LLMCall, str, _Outcome]:
         units = history[start:cut]
         transcript = _render(previous, units)
         facts = extract(_fact_sources(previous, history, start, cut))
@@ -191,11 +241,12 @@ class Summarize:
         messages = list(base)
         embedder: Any = _UNLOADED
         chunks = _meaning_chunks(previous, units)
-        attempts = 1 + self.retries
+        loading = ""
         rejected: str | None = None  # why the latest reply failed verification
         error: str | None = None  # the latest backend error
         errors = 0
         for attempt in range(1, attempts + 1):
+            calls.made += 1  # counted before it is made: a call that raises is a call too
             try:
                 reply = yield LLMCall(messages=tuple(messages), max_tokens=self.max_summary_tokens)
             except Exception as exc:  # a failed backend call (timeout, error) is a failed attempt
@@ -213,13 +264,16 @@ class Summarize:
                 instruction = _retry_instruction(lacking)
             else:
                 verified = f"verified on attempt {attempt} of {attempts}: all {len(facts)} facts kept"
-                if embedder is _UNLOADED:
-                    embedder = _load_embedder(self.embedding_model)
-                if embedder is None:
+                if not self.uses_embeddings:
                     return _Outcome(summary, verified)
+                if embedder is _UNLOADED:
+                    memory = state.memory.setdefault(_EMBEDDINGS_KEY, {})
+                    embedder, loading = load_in_fit(self.embedding_model, memory, state.turn)
+                if embedder is None:
+                    return _Outcome(summary, f"{verified}; no meaning check: {loading}")
                 similarity = _similarity(embedder, chunks, summary)
                 if similarity >= self.similarity_threshold:
-                    return _Outcome(summary, f"{verified}, similarity {similarity:.2f}")
+                    return _Outcome(summary, f"{verified}, similarity {similarity:.2f} by {embedder.name}{loading}")
                 rejected = f"attempt {attempt}: similarity {similarity:.2f} < {self.similarity_threshold}"
                 instruction = (
                     "Your summary does not match the transcript closely enough. Summarise only what the transcript "
@@ -492,12 +546,3 @@ def _similarity(embedder: Any, chunks: Sequence[str], summary: str) -> float:
         return 1.0
     total = sum(len(chunk) for chunk in chunks)
     return sum(float(embedder.similarity(chunk, summary)) * len(chunk) for chunk in chunks) / total
-
-
-def _load_embedder(model: str | None) -> Any:
-    """The embedding model from ``._embeddings``, or None when that module or the model is unavailable."""
-    try:
-        module = importlib.import_module(f"{__package__}._embeddings")
-        return module.get_embedder(model)
-    except ImportError:
-        return None

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
-from ..messages import Message
-from .base import Action, FitState, Item, Unit, register
+from pydantic import Field, field_validator
+
+from ..messages import Message, Role
+from .base import Action, FitState, Item, StrategySettings, Unit, register
 
 
 def cut_middle(text: str, cap: int, tokens_of: Any, marker: str) -> str:
@@ -38,17 +39,27 @@ def _texts(message: Message) -> list[str]:
 
 
 @register("truncate")
-@dataclass(frozen=True, kw_only=True)
-class Truncate:
+class Truncate(StrategySettings):
     """Messages (and text parts of multi-part content) over ``max_tokens`` tokens are cut in the middle.
 
     ``roles``: which messages may be cut (tool results and user attachments by default; assistant turns and the
     system prompt are left whole). The cap is exact with the model's tokenizer.
     """
 
-    max_tokens: int = 4096
-    roles: tuple[str, ...] = ("tool", "user")
-    marker: str = "\n[… {cut} characters cut …]\n"
+    max_tokens: int = Field(default=4096, ge=1)
+    roles: tuple[Role, ...] = ("tool", "user")
+    marker: str = Field(
+        default="\n[… {cut} characters cut …]\n", json_schema_extra={"allowed": "a string ({cut} optional)"}
+    )
+
+    @field_validator("marker")
+    @classmethod
+    def _check_marker(cls, value: str) -> str:
+        try:
+            value.format(cut=1)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"not a format string with {{cut}} only ({exc})") from None
+        return value
 
     def kept_chars(self, role: str, chars: int, newer_results: int) -> int:
         """A message over the cap keeps about the cap (at 4 characters per token)."""
