@@ -23,7 +23,15 @@ Counting (``preprocess="vllm"``, the default), as vLLM's chat endpoint does it:
 * ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)`` with the
   tokenizer from the folder and the optional ``chat_template`` override.
 
-``preprocess="raw"`` hands the request's messages and tools to transformers untouched.
+``preprocess="llamacpp"`` (the default of the llama.cpp dialects) is what llama.cpp's server does instead: tools keep
+only ``name``, ``description`` and ``parameters`` (``strict`` and other keys are dropped), and a final assistant
+message is continued, not closed: the messages before it are rendered with the generation prompt and its text is
+appended (``prefill_assistant``). ``preprocess="raw"`` hands the request's messages and tools to transformers
+untouched.
+
+Each dialect's answers carry the marks of its server, as clients see them: vLLM's ``stop_reason`` on choices and
+``prompt_logprobs`` / ``kv_transfer_params`` on the response, llama.cpp's build as ``system_fingerprint`` and its
+``timings``, Ollama's ``system_fingerprint: "fp_ollama"``, OpenAI's ``fp_...`` fingerprint and ``service_tier``.
 
 Hidden tokens (what a server adds that the client cannot see) are real: ``hidden_prefix`` is a text whose token
 ids (``add_special_tokens=False``) are prepended to the prompt ids, and ``hidden_tokens`` is a constant added on
@@ -36,16 +44,22 @@ the reply text (``add_special_tokens=False``; tool calls: name plus arguments of
 
 Failures: ``server.fail_next(kind, times=1)`` queues ``"timeout"`` (answer only after ``delay`` seconds),
 ``"500"``, ``"503"``, ``"429"`` (with ``Retry-After``), ``"malformed"`` (200 with a non-JSON body) or
-``"disconnect"`` (close the socket without a response); each chat request takes the next one, in order. A
-request delayed past its client's timeout is recorded as failed (``status=0``) and never answered; one whose
-client waited is answered normally (``failure="timeout"``, counted as accepted or rejected).
+``"disconnect"`` (close the socket without a response), ``"cut"`` (a stream sends ``after`` events, the role
+chunk included, then the connection drops; a plain answer sends half its body, then drops) or ``"overstate"``
+(refuse in the dialect's own words as if the prompt had ``reported`` tokens); each chat request takes the next one,
+in order. ``server.random_failures({"cut": 0.2, ...}, seed=...)`` draws a failure for every request with none
+queued. A request delayed past its client's timeout is recorded as failed (``status=0``) and never answered; one
+whose client waited is answered normally (``failure="timeout"``, counted as accepted or rejected).
+``response_delay`` (seconds before each answer) and ``chunk_delay`` (between stream events) make calls slow enough
+to be interrupted on purpose.
 
 The openai SDK retries 408, 409, 429 and 5xx responses and connection errors (timeouts and dropped connections
 included) on its own, ``max_retries=2`` by default, honouring ``Retry-After`` up to 60 s; build clients with
 ``max_retries=0`` to see each failure once. Its exceptions carry the parsed ``error`` object (or the whole body
 when it has none, as old vLLM's) as ``exc.body``. What each failure raises in the SDK (openai 2.x/3.x):
 timeout -> ``APITimeoutError``, 500/503 -> ``InternalServerError``, 429 -> ``RateLimitError``, disconnect ->
-``APIConnectionError``, malformed -> ``json.JSONDecodeError`` itself (not an ``openai.APIError``).
+``APIConnectionError``, malformed -> ``json.JSONDecodeError`` itself (not an ``openai.APIError``), a cut stream ->
+``APIConnectionError`` while iterating (its cause: httpx's "incomplete chunked read").
 
 Pass ``tokenizer=`` (an already loaded transformers tokenizer) to skip loading it again for each server.
 """
@@ -56,6 +70,7 @@ import collections
 import contextlib
 import itertools
 import json
+import random
 import re
 import select
 import socket
@@ -79,7 +94,7 @@ __all__ = [
     "context_error",
 ]
 
-FAILURE_KINDS = ("timeout", "500", "503", "429", "malformed", "disconnect")
+FAILURE_KINDS = ("timeout", "500", "503", "429", "malformed", "disconnect", "cut", "overstate")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -382,6 +397,36 @@ def context_error(
     return DIALECTS[dialect].check(prompt_tokens, max_tokens, param, max_model_len)
 
 
+# The server each dialect comes from, and the fields its answers carry that the others' do not (the openai SDK keeps
+# unknown fields, so a client can read them): vLLM's ChatCompletionResponse adds ``prompt_logprobs`` and
+# ``kv_transfer_params`` and its choices ``stop_reason`` (vllm/entrypoints/openai/chat_completion/protocol.py);
+# llama.cpp's server sends its build as ``system_fingerprint`` and adds ``timings``
+# (tools/server/server-task.cpp, to_json_oaicompat_chat); Ollama's OpenAI layer answers with
+# ``system_fingerprint: "fp_ollama"`` (openai/openai.go); OpenAI with an ``fp_`` fingerprint and ``service_tier``.
+SERVER_OF_DIALECT: dict[str, str] = {
+    "vllm": "vllm",
+    "vllm-validate": "vllm",
+    "vllm-legacy": "vllm",
+    "llamacpp": "llama.cpp",
+    "llamacpp-legacy": "llama.cpp",
+    "ollama": "ollama",
+    "ollama-error": "ollama",
+    "openai": "openai",
+}
+_LLAMACPP_BUILD = "b6890-7e9d7ba1"  # the form of llama.cpp's build_info: "b<build number>-<commit>"
+
+
+def server_marks(server: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(response fields, choice fields)`` that mark an answer (and each stream chunk) of ``server``."""
+    if server == "vllm":
+        return {"system_fingerprint": None, "prompt_logprobs": None, "kv_transfer_params": None}, {"stop_reason": None}
+    if server == "llama.cpp":
+        return {"system_fingerprint": _LLAMACPP_BUILD}, {}
+    if server == "ollama":
+        return {"system_fingerprint": "fp_ollama"}, {}
+    return {"system_fingerprint": "fp_50cad350e4", "service_tier": "default"}, {}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Counting as vLLM does, with transformers only.
 # ---------------------------------------------------------------------------------------------------------------
@@ -479,6 +524,27 @@ def vllm_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return dumped
 
 
+def llamacpp_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tools as llama.cpp's server hands them to the template (common_chat_tools_parse_oaicompat, then
+    common_chat_tools_to_json_oaicompat): name, description and parameters only, so ``strict`` is gone."""
+    if tools is None:
+        return None
+    out = []
+    for tool in tools:
+        function = tool["function"]
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": function["name"],
+                    "description": function.get("description", ""),
+                    "parameters": function.get("parameters", {}),
+                },
+            }
+        )
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The server.
 # ---------------------------------------------------------------------------------------------------------------
@@ -499,6 +565,7 @@ class RequestRecord:
     completion_tokens: int = 0
     truncated_messages: int = 0  # Ollama: messages dropped from the front
     finish_reason: str | None = None
+    streamed: str | None = None  # a stream: the content it sent (all of it, or what went out before a cut)
 
 
 @dataclass
@@ -506,6 +573,8 @@ class _Failure:
     kind: str
     delay: float
     retry_after: str
+    after: int = 2  # "cut": events sent before the connection drops
+    reported: int | None = None  # "overstate": the prompt tokens the refusal claims
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -536,14 +605,19 @@ class ChatServer:
         *,
         hidden_prefix: str | None = None,
         served_model_name: str = "test-model",
-        preprocess: str = "vllm",
+        preprocess: str | None = None,
         stream_chunk_words: int = 2,
         tokenizer: Any = None,
+        response_delay: float = 0.0,
+        chunk_delay: float = 0.0,
     ) -> None:
         if dialect not in DIALECTS:
             raise ValueError(f"unknown dialect {dialect!r}; known: {', '.join(DIALECTS)}")
-        if preprocess not in ("vllm", "raw"):
-            raise ValueError(f"preprocess must be 'vllm' or 'raw', got {preprocess!r}")
+        self.server_kind = SERVER_OF_DIALECT[dialect]
+        if preprocess is None:  # each server's own
+            preprocess = "llamacpp" if self.server_kind == "llama.cpp" else "vllm"
+        if preprocess not in ("vllm", "llamacpp", "raw"):
+            raise ValueError(f"preprocess must be 'vllm', 'llamacpp' or 'raw', got {preprocess!r}")
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -564,6 +638,10 @@ class ChatServer:
         self.served_model_name = served_model_name
         self.preprocess = preprocess
         self.stream_chunk_words = max(1, stream_chunk_words)
+        self.response_delay = response_delay
+        self.chunk_delay = chunk_delay
+        self._marks = server_marks(self.server_kind)
+        self._chaos: tuple[random.Random, dict[str, float], tuple[int, int]] | None = None
 
         self.replies: collections.deque[str | dict[str, Any] | Callable[[dict[str, Any]], Any]] = collections.deque()
         self.requests: list[RequestRecord] = []
@@ -626,12 +704,42 @@ class ChatServer:
 
     # -- test controls ------------------------------------------------------------------------------------------
 
-    def fail_next(self, kind: str, times: int = 1, *, delay: float = 2.0, retry_after: float | str = 1) -> None:
-        """Queue ``times`` failures of ``kind`` (see :data:`FAILURE_KINDS`) for the next chat requests."""
+    def fail_next(
+        self,
+        kind: str,
+        times: int = 1,
+        *,
+        delay: float = 2.0,
+        retry_after: float | str = 1,
+        after: int = 2,
+        reported: int | None = None,
+    ) -> None:
+        """Queue ``times`` failures of ``kind`` (see :data:`FAILURE_KINDS`) for the next chat requests. ``after``:
+        the events a ``"cut"`` stream sends first; ``reported``: the prompt tokens an ``"overstate"`` refusal
+        claims (at least ``max_model_len``, so the dialect refuses)."""
         if kind not in FAILURE_KINDS:
             raise ValueError(f"unknown failure kind {kind!r}; known: {', '.join(FAILURE_KINDS)}")
+        if kind == "overstate" and (reported is None or reported < self.max_model_len):
+            raise ValueError(f"an 'overstate' refusal needs reported >= max_model_len ({self.max_model_len})")
         with self._lock:
-            self._failures.extend(_Failure(kind, delay, str(retry_after)) for _ in range(times))
+            self._failures.extend(
+                _Failure(kind, delay, str(retry_after), after=after, reported=reported) for _ in range(times)
+            )
+
+    def random_failures(
+        self, rates: Mapping[str, float] | None, *, seed: int = 0, after: tuple[int, int] = (0, 4)
+    ) -> None:
+        """From now on, every chat request with no failure queued takes ``kind`` with probability ``rates[kind]``
+        (a cut stream after a number of events drawn from ``after``); None stops it."""
+        if rates is None:
+            with self._lock:
+                self._chaos = None
+            return
+        unknown = set(rates) - set(FAILURE_KINDS) - {"overstate"}
+        if unknown or "overstate" in rates or "timeout" in rates:
+            raise ValueError(f"random failures take {', '.join(FAILURE_KINDS[1:-1])}; got {sorted(rates)}")
+        with self._lock:
+            self._chaos = (random.Random(seed), dict(rates), after)
 
     @property
     def pending_failures(self) -> list[str]:
@@ -652,19 +760,36 @@ class ChatServer:
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt's token ids: the hidden prefix, then the chat template's ids."""
-        if self.preprocess == "vllm":
-            conversation, tool_dicts = vllm_messages(messages, self.content_format), vllm_tools(tools)
-        else:
+        if self.preprocess == "raw":
             conversation, tool_dicts = messages, tools
+        else:
+            conversation = vllm_messages(messages, self.content_format)
+            tool_dicts = vllm_tools(tools) if self.preprocess == "vllm" else llamacpp_tools(tools)
+        prefill = None
+        if self.preprocess == "llamacpp" and len(conversation) > 1 and conversation[-1]["role"] == "assistant":
+            # llama.cpp continues a final assistant message: the rest with the generation prompt, then its text.
+            last = conversation[-1]["content"]
+            prefill = last if isinstance(last, str) else "".join(part["text"] for part in last)
+            conversation = conversation[:-1]
         with self._count_lock:
-            ids = self.tokenizer.apply_chat_template(
-                conversation,
-                tools=tool_dicts,
-                chat_template=self.chat_template,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
+            if prefill is None:
+                ids = self.tokenizer.apply_chat_template(
+                    conversation,
+                    tools=tool_dicts,
+                    chat_template=self.chat_template,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            else:
+                text = self.tokenizer.apply_chat_template(
+                    conversation,
+                    tools=tool_dicts,
+                    chat_template=self.chat_template,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+                ids = self.tokenizer.encode(text + prefill, add_special_tokens=False)
         return self._hidden_ids + list(ids)
 
     def tokens(self, text: str) -> list[int]:
@@ -675,12 +800,24 @@ class ChatServer:
 
     def _take_failure(self) -> _Failure | None:
         with self._lock:
-            return self._failures.popleft() if self._failures else None
+            if self._failures:
+                return self._failures.popleft()
+            if self._chaos is None:
+                return None
+            rng, rates, after = self._chaos
+            draw = rng.random()
+            for kind, rate in rates.items():
+                if draw < rate:
+                    return _Failure(kind, 0.0, "0", after=rng.randint(*after))
+                draw -= rate
+            return None
 
     def _record(self, record: RequestRecord) -> None:
         with self._lock:
             self.requests.append(record)
-            if record.failure is not None and (record.failure != "timeout" or record.status == 0):
+            if record.failure == "overstate":
+                self.rejected += 1
+            elif record.failure is not None and (record.failure != "timeout" or record.status == 0):
                 self.failed += 1
             elif record.accepted:
                 self.accepted += 1
@@ -698,8 +835,11 @@ class ChatServer:
             return {"content": scripted}
         return dict(scripted)
 
-    def _complete(self, body: dict[str, Any], record: RequestRecord) -> tuple[int, dict[str, Any], dict[str, Any]]:
-        """Count, check the limit, and build the answer: (status, response or error body, reply)."""
+    def _complete(
+        self, body: dict[str, Any], record: RequestRecord, overstate: int | None = None
+    ) -> tuple[int, dict[str, Any], dict[str, Any]]:
+        """Count, check the limit, and build the answer: (status, response or error body, reply). ``overstate``:
+        refuse as if the prompt had that many tokens."""
         messages = list(body.get("messages") or [])
         tools = body.get("tools")
         if body.get("max_completion_tokens") is not None:
@@ -710,7 +850,11 @@ class ChatServer:
             max_tokens, param = None, "max_tokens"
         record.max_tokens = max_tokens
         prompt = self.count(messages, tools)
-        outcome = DIALECTS[self.dialect].check(prompt, max_tokens, param, self.max_model_len)
+        outcome = DIALECTS[self.dialect].check(
+            prompt if overstate is None else overstate, max_tokens, param, self.max_model_len
+        )
+        if overstate is not None and not outcome.rejected:
+            raise ValueError(f"the {self.dialect} dialect does not refuse {overstate} tokens")
         if outcome.truncate_to is not None:
             prompt, record.truncated_messages = self._ollama_truncate(messages, tools, outcome.truncate_to)
         record.prompt_tokens = prompt
@@ -743,14 +887,18 @@ class ChatServer:
         if calls:
             message["tool_calls"] = calls
         usage = {"prompt_tokens": prompt, "completion_tokens": used, "total_tokens": prompt + used}
+        marks, choice_marks = self._marks
         response = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or self.served_model_name,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish, **choice_marks}],
             "usage": usage,
+            **marks,
         }
+        if self.server_kind == "llama.cpp":
+            response["timings"] = {"prompt_n": prompt, "prompt_ms": 1.0, "predicted_n": used, "predicted_ms": 1.0}
         return 200, response, message
 
     def _ollama_truncate(
@@ -835,9 +983,9 @@ def _make_handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             record = RequestRecord(index=next(server._numbers), body=body)
             failure = server._take_failure()
             try:
-                if failure is not None and self._fail(failure, record):
+                if failure is not None and failure.kind not in ("cut", "overstate") and self._fail(failure, record):
                     return
-                self._chat(body, record)
+                self._chat(body, record, failure)
             except (TimeoutError, BrokenPipeError, ConnectionResetError):
                 pass  # the client gave up (its own timeout); nothing to answer
 
@@ -889,9 +1037,15 @@ def _make_handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             except OSError:
                 return True
 
-        def _chat(self, body: dict[str, Any], record: RequestRecord) -> None:
+        def _chat(self, body: dict[str, Any], record: RequestRecord, failure: _Failure | None = None) -> None:
+            if server.response_delay:
+                server._closing.wait(server.response_delay)
+            cut = failure.after if failure is not None and failure.kind == "cut" else None
+            overstate = failure.reported if failure is not None and failure.kind == "overstate" else None
+            if failure is not None:
+                record.failure = failure.kind
             try:
-                status, payload, message = server._complete(body, record)
+                status, payload, message = server._complete(body, record, overstate)
             except Exception as exc:  # a template that raises: vLLM answers 400 with the error text
                 record.status, record.error = 400, f"{type(exc).__name__}: {exc}"
                 server._record(record)
@@ -902,21 +1056,48 @@ def _make_handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
                 self._send_json(status, payload)
             elif body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                self._stream(payload, message, include_usage)
+                self._stream(payload, message, include_usage, record, cut)
+            elif cut is not None:
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data[: len(data) // 2])
+                self._hang_up()
             else:
                 self._send_json(200, payload)
 
-        def _stream(self, response: dict[str, Any], message: dict[str, Any], include_usage: bool) -> None:
+        def _hang_up(self) -> None:
+            """Drop the connection mid-response."""
+            self.wfile.flush()
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+        def _stream(
+            self,
+            response: dict[str, Any],
+            message: dict[str, Any],
+            include_usage: bool,
+            record: RequestRecord,
+            cut: int | None = None,
+        ) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            marks, choice_marks = server._marks
             head = {k: response[k] for k in ("id", "created", "model")}
+            head.update({k: v for k, v in marks.items() if k == "system_fingerprint"})
+            events: list[tuple[bytes, str]] = []
 
-            def chunk(choices: list[dict[str, Any]], **extra: Any) -> None:
+            def chunk(choices: list[dict[str, Any]], content: str = "", **extra: Any) -> None:
+                for choice in choices:
+                    choice.update(choice_marks)
                 event = {**head, "object": "chat.completion.chunk", "choices": choices, **extra}
-                self._write_chunk(f"data: {json.dumps(event)}\n\n".encode())
+                events.append((f"data: {json.dumps(event)}\n\n".encode(), content))
 
             choice = response["choices"][0]
             chunk(
@@ -926,13 +1107,22 @@ def _make_handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             step = server.stream_chunk_words
             for i in range(0, len(words), step):
                 delta = {"content": "".join(words[i : i + step])}
-                chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+                chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], delta["content"])
             for n, call in enumerate(message.get("tool_calls") or []):
                 delta = {"tool_calls": [{"index": n, **call}]}
                 chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
             chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}])
             if include_usage:
                 chunk([], usage=response["usage"])
+            record.streamed = ""
+            for number, (data, content) in enumerate(events):
+                if cut is not None and number >= cut:
+                    self._hang_up()
+                    return
+                if number and server.chunk_delay:
+                    server._closing.wait(server.chunk_delay)
+                self._write_chunk(data)
+                record.streamed += content
             self._write_chunk(b"data: [DONE]\n\n")
             self._write_chunk(b"")
 

@@ -368,3 +368,21 @@ def test_capacity_from_plan_is_the_kv_pool_after_weights_and_overhead() -> None:
     assert eight == pytest.approx(tokens, rel=0.03)
     with pytest.raises(ContextKeeperError, match="no room for a KV cache"):
         capacity_from_plan("llama-3.1-70b", "RTX 4090")
+
+
+def test_an_asyncio_waiter_is_admitted_when_a_lease_runs_out() -> None:
+    ledger = Ledger(CAPACITY, timeout=5)
+    forgotten = ledger.acquire(900, label="a stream nobody reads", lease=0.2)
+
+    async def main() -> float:
+        started = time.monotonic()
+        async with ledger.admit_async(500, label="next") as ticket:
+            assert ticket.tokens == 500
+        return time.monotonic() - started
+
+    waited = asyncio.run(main())
+    assert 0.15 < waited < 3  # woken by the lease running out, not by the timeout
+    assert forgotten.expired
+    forgotten.release()  # already given back: nothing twice
+    assert ledger.active == 0
+    assert ledger.expired == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -510,9 +511,97 @@ def test_close_is_prompt_with_a_request_still_waiting(make_server: Any) -> None:
     assert time.monotonic() - started < 2
 
 
+def test_a_cut_stream_drops_after_its_events_and_a_cut_answer_halfway(make_server: Any) -> None:
+    server = make_server(stream_chunk_words=1)
+    c = client(server)
+    server.replies.append("one two three four five")
+    server.fail_next("cut", after=3)  # the role chunk and two words
+    got: list[str] = []
+
+    def read() -> None:
+        for chunk in c.chat.completions.create(model="m", messages=HELLO, stream=True):
+            got.append(chunk.choices[0].delta.content or "")
+
+    with pytest.raises(openai.APIConnectionError):
+        read()
+    assert "".join(got) == server.requests[-1].streamed == "one two "
+    assert (server.requests[-1].failure, server.failed) == ("cut", 1)
+    server.fail_next("cut")
+    with pytest.raises((openai.APIConnectionError, json.JSONDecodeError)):
+        c.chat.completions.create(model="m", messages=HELLO)
+
+
+def test_an_overstating_refusal_speaks_the_dialects_words(make_server: Any, tok: Any) -> None:
+    server = make_server(max_model_len=2048, dialect="vllm-validate")
+    server.fail_next("overstate", reported=2100)
+    with pytest.raises(openai.BadRequestError) as info:
+        client(server).chat.completions.create(model="m", messages=HELLO, max_tokens=8)
+    assert "your request has 2100 input tokens" in str(info.value)
+    assert server.requests[-1].prompt_tokens == template_len(tok, HELLO)  # what was really sent
+    assert server.rejected == 1
+    with pytest.raises(ValueError, match="reported >= max_model_len"):
+        server.fail_next("overstate", reported=100)
+
+
+def test_random_failures_follow_their_seed(make_server: Any) -> None:
+    kinds = []
+    for _ in range(2):
+        server = make_server()
+        server.random_failures({"500": 0.5}, seed=3)
+        c = client(server)
+        for _ in range(8):
+            with contextlib.suppress(openai.InternalServerError):
+                c.chat.completions.create(model="m", messages=HELLO, max_tokens=4)
+        kinds.append([r.failure for r in server.requests])
+    assert kinds[0] == kinds[1]
+    assert set(kinds[0]) == {"500", None}
+    server.random_failures(None)
+    assert client(server).chat.completions.create(model="m", messages=HELLO, max_tokens=4).choices
+
+
+@pytest.mark.parametrize(
+    ("dialect", "field", "value"),
+    [
+        ("vllm", "kv_transfer_params", None),
+        ("llamacpp", "system_fingerprint", "b6890-7e9d7ba1"),
+        ("ollama", "system_fingerprint", "fp_ollama"),
+        ("openai", "service_tier", "default"),
+    ],
+)
+def test_answers_carry_their_servers_marks(make_server: Any, dialect: str, field: str, value: Any) -> None:
+    server = make_server(dialect=dialect)
+    response = client(server).chat.completions.create(model="m", messages=HELLO, max_tokens=4)
+    assert field in {**(response.model_extra or {}), **response.model_dump()}
+    assert getattr(response, field) == value
+    if dialect == "vllm":
+        assert "stop_reason" in (response.choices[0].model_extra or {})
+    if dialect == "llamacpp":
+        assert response.model_extra["timings"]["prompt_n"] == response.usage.prompt_tokens
+        chunk = next(iter(client(server).chat.completions.create(model="m", messages=HELLO, stream=True)))
+        assert chunk.system_fingerprint == "b6890-7e9d7ba1"
+
+
+def test_llamacpp_continues_a_final_assistant_message_and_drops_strict(make_server: Any, tok: Any) -> None:
+    qwen25 = template(QWEN25)
+    server = make_server(chat_template=qwen25, dialect="llamacpp")
+    assert server.preprocess == "llamacpp"
+    prefill = [*HELLO, {"role": "assistant", "content": "I am"}]
+    text = tok.apply_chat_template(HELLO, chat_template=qwen25, add_generation_prompt=True, tokenize=False)
+    assert server.count(prefill) == len(tok.encode(text + "I am", add_special_tokens=False))
+    assert server.count(prefill) < template_len(tok, prefill, chat_template=qwen25)  # a closed turn counts more
+    strict = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
+    function = WEATHER_TOOL["function"]
+    plain = {"type": "function", "function": {"name": function["name"], "description": "", **function}}
+    assert server.count(HELLO, [strict]) == template_len(tok, HELLO, [plain], qwen25)
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="unknown dialect"):
         ChatServer(tokenizer_dir("qwen2"), dialect="tgi", tokenizer=hf_tokenizer("qwen2"))
     server = ChatServer(tokenizer_dir("qwen2"), tokenizer=hf_tokenizer("qwen2"))
     with pytest.raises(ValueError, match="unknown failure kind"):
         server.fail_next("teapot")
+    with pytest.raises(ValueError, match="random failures take"):
+        server.random_failures({"timeout": 0.5})
+    with pytest.raises(ValueError, match="preprocess must be"):
+        ChatServer(tokenizer_dir("qwen2"), preprocess="sglang", tokenizer=hf_tokenizer("qwen2"))

@@ -263,7 +263,7 @@ def test_open_transcript_specs(tmp_path: Path) -> None:
     assert open_transcript(memory) is memory
     with open_transcript(tmp_path / "sub" / "x.db") as store:
         assert isinstance(store, SQLiteTranscript)
-    with pytest.raises(TypeError):
+    with pytest.raises(ck.ConfigurationError, match="transcript=42"):
         open_transcript(42)  # type: ignore[arg-type]
 
 
@@ -292,6 +292,46 @@ def test_threads_record_into_one_sqlite_file(tmp_path: Path) -> None:
         history = store.history(f"t{i}")
         assert len(history) == 40
         assert history[-2] == {"role": "user", "content": f"t{i} 19"}
+    store.close()
+
+
+_WRITER = """
+import sys
+from contextkeeper.transcript import SQLiteTranscript
+path, name, turns = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = SQLiteTranscript(path)
+chat = [{"role": "system", "content": "You are a helpful assistant."}]
+for turn in range(turns):
+    chat.append({"role": "user", "content": f"hello {turn}"})  # the same chat in every process: the same trie nodes
+    store.add(chat, None, conversation=name, received={"role": "assistant", "content": f"ok {turn}"})
+    chat.append({"role": "assistant", "content": f"ok {turn}"})
+store.close()
+"""
+
+
+def test_processes_that_write_the_same_chats_into_one_file_all_succeed(tmp_path: Path) -> None:
+    """Worker processes sharing one transcript file (``uvicorn --workers 4``) store the same messages under the
+    same trie nodes at the same moments: each takes the row another stored first instead of failing."""
+    import subprocess
+    import sys
+
+    path, workers, turns = tmp_path / "shared.db", 4, 500
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(path), f"w{i}", str(turns)], stderr=subprocess.PIPE)
+        for i in range(workers)
+    ]
+    errors = [proc.communicate(timeout=120)[1].decode() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0] * workers, errors
+    store = SQLiteTranscript(path)
+    for i in range(workers):
+        history = store.history(f"w{i}")
+        assert len(history) == 1 + 2 * turns
+        assert history[-2:] == [
+            {"role": "user", "content": f"hello {turns - 1}"},
+            {"role": "assistant", "content": f"ok {turns - 1}"},
+        ]
+    assert store.db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    assert store.db.execute("SELECT count(*) FROM nodes").fetchone() == (2 * turns,)  # each message stored once
     store.close()
 
 

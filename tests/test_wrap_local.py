@@ -176,6 +176,15 @@ def test_transformers_out_of_memory_shrinks_and_retries(tiny: tuple[Any, Any]) -
     assert call.server_prompt_tokens <= ceiling
 
 
+def test_too_large_names_the_argument_that_set_the_answer(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    keeper = ck.ContextKeeper(tokenizer, context_window=512)
+    chat = keeper.wrap(model, tokenizer=tokenizer)
+    with pytest.raises(ck.RequestTooLarge, match="Fix: lower max_new_tokens,"):
+        chat(grow(2), max_new_tokens=600)
+    assert keeper.transcript.last().status == "failed"
+
+
 def test_pipeline_shape(tiny: tuple[Any, Any]) -> None:
     from transformers import pipeline
 

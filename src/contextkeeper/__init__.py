@@ -32,10 +32,11 @@ from ._exceptions import (
 )
 
 if TYPE_CHECKING:  # the names, for type checkers; at run time they load on first use
+    from ._memo import CacheUsage, cache_bytes, cache_usage, set_cache_bytes
     from .backends import CallReport, DriftWarning
     from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, UnknownSymptom, profile
     from .diagnose import diagnose as doctor
-    from .keeper import ContextKeeper, Fit, FitReport, InvariantViolation, RequestTooLarge
+    from .keeper import ContextKeeper, Fit, FitReport, InvariantViolation, RequestTooLarge, Reserve
     from .ledger import AdmissionTimeout, ExceedsCapacity, Ledger
     from .memory import (
         GPU,
@@ -52,13 +53,14 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
         recommend,
     )
     from .messages import ContentPart, Conversation, FunctionCall, Message, ToolCall, Unit, raw_view, server_view
-    from .policy import Policy, PolicyError, load_policy
+    from .policy import Policy, PolicyError, load_policy, register_policy_path
     from .tokens import (
         Breakdown,
         HFChatTemplateCounter,
         Measurement,
         MediaCost,
         MistralCounter,
+        TemplateLimits,
         TokenCounter,
         breakdown,
         load_counter,
@@ -70,6 +72,7 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
 _LAZY: dict[str, str] = {
     "AdmissionTimeout": ".ledger",
     "Breakdown": ".tokens",
+    "CacheUsage": "._memo",
     "CallReport": ".backends",
     "ContentPart": ".messages",
     "ContextKeeper": ".keeper",
@@ -100,6 +103,8 @@ _LAZY: dict[str, str] = {
     "ProfileReport": ".diagnose",
     "Recommendation": ".memory",
     "RequestTooLarge": ".keeper",
+    "Reserve": ".keeper",
+    "TemplateLimits": ".tokens",
     "TokenCounter": ".tokens",
     "ToolCall": ".messages",
     "Transcript": ".transcript",
@@ -107,6 +112,8 @@ _LAZY: dict[str, str] = {
     "Unit": ".messages",
     "UnknownSymptom": ".diagnose",
     "breakdown": ".tokens",
+    "cache_bytes": "._memo",
+    "cache_usage": "._memo",
     "detect_gpus": ".memory",
     "find_gpu": ".memory",
     "gpu_catalog": ".memory",
@@ -117,7 +124,9 @@ _LAZY: dict[str, str] = {
     "profile": ".diagnose",
     "raw_view": ".messages",
     "recommend": ".memory",
+    "register_policy_path": ".policy",
     "server_view": ".messages",
+    "set_cache_bytes": "._memo",
 }
 
 
@@ -145,6 +154,7 @@ __all__ = [
     "GPU",
     "AdmissionTimeout",
     "Breakdown",
+    "CacheUsage",
     "CallReport",
     "ChatTemplateError",
     "ConfigurationError",
@@ -186,8 +196,10 @@ __all__ = [
     "ProviderError",
     "Recommendation",
     "RequestTooLarge",
+    "Reserve",
     "StreamInterrupted",
     "TemplateLimitExceeded",
+    "TemplateLimits",
     "TokenCounter",
     "TokenizerNotFound",
     "ToolCall",
@@ -201,6 +213,8 @@ __all__ = [
     "UnsupportedContent",
     "__version__",
     "breakdown",
+    "cache_bytes",
+    "cache_usage",
     "detect_gpus",
     "doctor",
     "find_gpu",
@@ -212,5 +226,7 @@ __all__ = [
     "profile",
     "raw_view",
     "recommend",
+    "register_policy_path",
     "server_view",
+    "set_cache_bytes",
 ]

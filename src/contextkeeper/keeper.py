@@ -1,6 +1,6 @@
 """ContextKeeper: reserve-then-budget fitting of a conversation into the model's context.
 
-The order is the seed's: the new request (never trimmed), the answer (``max_tokens``), the tools (as the
+The order is reserve-then-budget: the new request (never trimmed), the answer (``max_tokens``), the tools (as the
 template renders them), then history, made to fit by the policy's strategies, cheapest first, and closed by a
 sliding window over whole units. Every count is the template's exact count; every fit is checked against its
 invariants before it is returned.
@@ -19,25 +19,44 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from ._exceptions import ChatTemplateError, ConfigurationError, ContextKeeperError, MessageError
+from ._exceptions import ConfigurationError, ContextKeeperError, MessageError
 from .messages import Conversation, Message, MessageLike, _group_units, _restore_conversation
 from .policy import Policy, resolve_policy
 from .strategies._turn import compact_turn
 from .strategies.base import Action, FitState, Foresight, Item, LLMCall, Unit, run_sync
 from .strategies.sliding_window import SlidingWindow
-from .tokens import TokenCounter, load_counter
+from .tokens import TemplateLimits, TokenCounter, load_counter
 from .tokens._incremental import shared_prefix
+from .tokens.breakdown import head_counts, prompt_slots
 
-__all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge"]
+__all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge", "Reserve"]
 
 
 class RequestTooLarge(ContextKeeperError, ValueError):
-    """The parts that are never trimmed (system prompt, tools, the new request) plus the answer do not fit."""
+    """The parts that are never trimmed (system prompt, tools, the new request) plus the answer do not fit.
 
-    def __init__(self, message: str, *, needed: int, limit: int) -> None:
+    ``needed`` is what they take with the answer, ``limit`` the limit that binds (the keeper's, less what a
+    wrapped call withheld for the server), ``withheld`` those tokens, ``fix`` what to change."""
+
+    def __init__(self, message: str, *, needed: int, limit: int, withheld: int = 0, fix: str | None = None) -> None:
         self.needed = needed
         self.limit = limit
+        self.withheld = withheld
+        self.fix = fix
         super().__init__(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reserve:
+    """How a fit's reserve below the limit is made up, beyond the answer: ``answer_setting`` names the caller's
+    argument that set the answer (None: ``max_tokens``, or the policy's ``answer_tokens`` when none was given);
+    ``withheld`` tokens are kept free as well (a wrapped call's learned server limit, hidden tokens...), ``why``
+    says what they are for and ``fix`` what frees them. Errors then name the limit that binds."""
+
+    answer_setting: str | None = None
+    withheld: int = 0
+    why: str = ""
+    fix: str = ""
 
 
 class InvariantViolation(ContextKeeperError, AssertionError):
@@ -227,6 +246,8 @@ class ContextKeeper:
     ``tokenizer``: a tokenizer folder, a .gguf file, a hub id, ``mistral:<name>``, a transformers tokenizer or a
     ready :class:`TokenCounter`. The limit is the smallest of ``context_window``, the model's own maximum (when
     ``model`` is given) and, with ``gpu``, the longest context per sequence that fits at ``concurrency``.
+    ``template_limits`` bounds what the chat template may do per render (a :class:`TemplateLimits`: steps,
+    output, seconds, nesting); a template past a bound is refused with :class:`TemplateLimitExceeded`.
     ``policy``: a built-in name, a .toml file, a :class:`Policy`, or ``"auto"`` to match by model name.
     ``summarizer``: a callable taking an :class:`LLMCall` and returning text, for the summarize strategy.
 
@@ -243,6 +264,7 @@ class ContextKeeper:
         *,
         context_window: int | None = None,
         chat_template: str | None = None,
+        template_limits: TemplateLimits | None = None,
         policy: str | Policy | None = "default",
         model: Any = None,
         gpu: Any = None,
@@ -260,7 +282,7 @@ class ContextKeeper:
             raise ConfigurationError(
                 "ContextKeeper needs tokenizer=... (a folder, .gguf file, hub id or mistral:<name>)"
             )
-        self.counter: TokenCounter = self._counter(tokenizer, chat_template)
+        self.counter: TokenCounter = self._counter(tokenizer, chat_template, template_limits)
         self.name = str(getattr(self.counter, "name", tokenizer))
         self.model = None
         limits: list[tuple[int, str]] = []
@@ -283,7 +305,7 @@ class ContextKeeper:
                 )
                 limits.append(
                     (
-                        max(0, result.max_context),
+                        result.context_limit(),  # says why, when not even one token fits
                         f"the GPU ({result.gpu}, {runtime}, {concurrency} concurrent sequence(s))",
                     )
                 )
@@ -311,8 +333,10 @@ class ContextKeeper:
         self.last_fit: Fit | None = None
         # Wrapped calls (see wrap): what they share, made on first use.
         self.gpu, self.concurrency, self.runtime, self.kv_dtype = gpu, concurrency, runtime, kv_dtype
+        from .transcript import check_transcript
+
         self._call_settings = {
-            "transcript": transcript,
+            "transcript": cast(Any, check_transcript(transcript)),  # a bad value fails here, not at the first call
             "admission": admission,
             "timeout": admission_timeout,
             "capacity": kv_capacity,
@@ -333,14 +357,20 @@ class ContextKeeper:
         return clone
 
     @staticmethod
-    def _counter(tokenizer: Any, chat_template: str | None) -> TokenCounter:
+    def _counter(tokenizer: Any, chat_template: str | None, limits: TemplateLimits | None) -> TokenCounter:
         if isinstance(tokenizer, str):
-            return load_counter(tokenizer, chat_template=chat_template)
+            return load_counter(tokenizer, chat_template=chat_template, template_limits=limits)
         if hasattr(tokenizer, "apply_chat_template"):
             from .tokens import HFChatTemplateCounter
 
-            return HFChatTemplateCounter(tokenizer, chat_template=chat_template)
+            return HFChatTemplateCounter(tokenizer, chat_template=chat_template, template_limits=limits)
         if callable(getattr(tokenizer, "count", None)):
+            if chat_template is not None or limits is not None:
+                raise ConfigurationError(
+                    "chat_template= and template_limits= apply when the keeper builds the counter; this tokenizer is "
+                    "a ready counter. Fix: pass them to the counter itself (load_counter(..., chat_template=..., "
+                    "template_limits=...)) or pass the tokenizer instead"
+                )
             return tokenizer  # type: ignore[no-any-return]
         raise ConfigurationError(
             "tokenizer must be a spec string, a transformers tokenizer or a TokenCounter, got "
@@ -349,13 +379,25 @@ class ContextKeeper:
 
     # ------------------------------------------------------------------------------------------ fit
     def fit(
-        self, messages: Sequence[MessageLike], *, tools: Sequence[Any] | None = None, max_tokens: int | None = None
+        self,
+        messages: Sequence[MessageLike],
+        *,
+        tools: Sequence[Any] | None = None,
+        max_tokens: int | None = None,
+        reserve: Reserve | None = None,
     ) -> Fit:
-        """The longest prompt that fits with ``max_tokens`` reserved for the answer, keeping what matters."""
+        """The longest prompt that fits with ``max_tokens`` reserved for the answer, keeping what matters.
+        ``reserve``: tokens to keep free beyond the answer, and why (wrapped calls pass what they learned)."""
         started = time.perf_counter()
         answer = self.policy.answer_tokens if max_tokens is None else max_tokens
         if isinstance(answer, bool) or not isinstance(answer, int) or answer <= 0:
             raise ConfigurationError(f"max_tokens must be a positive integer, got {answer!r}")
+        reserve = reserve if reserve is not None else Reserve()
+        if isinstance(reserve.withheld, bool) or not isinstance(reserve.withheld, int) or reserve.withheld < 0:
+            raise ConfigurationError(f"reserve.withheld must be an integer >= 0, got {reserve.withheld!r}")
+        # What the reserve is made of, so an error names the limit and the setting that bind.
+        made_of = (reserve, max_tokens is None)
+        answer += reserve.withheld
         if not isinstance(messages, (list, tuple)):
             raise MessageError(
                 f"expected a list of messages, got {type(messages).__name__}",
@@ -390,26 +432,30 @@ class ContextKeeper:
             # (between 1.25 and 4 times as far).
             return per_token * min(4.0, max(1.25, 1.1 * prompt_limit / max(tokens, 1)))
 
-        for attempt in range(6):
-            result = self._fit_once(
-                messages,
-                roles,
-                sys_end,
-                last_user,
-                answer,
-                tool_list,
-                per_token,
-                started,
-                sticky,
-                further if attempt < 5 else None,
-            )
-            if isinstance(result, Fit):
-                fit = result
-                break
-            per_token = result
+        try:
+            for attempt in range(6):
+                result = self._fit_once(
+                    messages,
+                    roles,
+                    sys_end,
+                    last_user,
+                    answer,
+                    tool_list,
+                    per_token,
+                    started,
+                    sticky,
+                    further if attempt < 5 else None,
+                    made_of,
+                )
+                if isinstance(result, Fit):
+                    fit = result
+                    break
+                per_token = result
+        finally:
+            # Every fit is a turn, failed or not: per-turn budgets (the summarizer's calls) start afresh.
+            self._session.turn += 1
         if per_token:
             memory["horizon"] = per_token
-        self._session.turn += 1
         self.last_fit = fit
         return fit
 
@@ -512,6 +558,7 @@ class ContextKeeper:
         started: float,
         sticky: _Sticky | None = None,
         further: Callable[[int, int], float | None] | None = None,
+        reserve: tuple[Reserve, bool] = (Reserve(), False),
     ) -> Fit | float:
         """One read and fit; or, when ``further`` says this read was too short, how far the next read goes (the
         checks and the report are left to the read that is kept)."""
@@ -579,7 +626,7 @@ class ContextKeeper:
                 lambda r: self._side_count(_assemble((system, r)), tool_list) <= prompt_limit,
             )
             if turn is None:
-                raise self._too_large(base, answer, system, request, tool_list)
+                raise self._too_large(base, answer, system, request, tool_list, reserve)
             request, action = turn
             base = None
             compacted = (action,)
@@ -766,18 +813,48 @@ class ContextKeeper:
         return horizon
 
     def _too_large(
-        self, base: int, answer: int, system: Unit, request: Unit, tools: list[Any] | None
+        self,
+        base: int,
+        answer: int,
+        system: Unit,
+        request: Unit,
+        tools: list[Any] | None,
+        made_of: tuple[Reserve, bool],
     ) -> RequestTooLarge:
-        over = base + answer - self.limit
+        # ``answer`` is the whole reserve: the answer itself plus what the fit's Reserve withheld.
+        reserve, from_policy = made_of
+        withheld = min(reserve.withheld, answer)
+        answer -= withheld
+        limit = self.limit - withheld
+        over = base + answer - limit
         without_tools = int(self.counter.count([i.message for i in (*system, *request)])) if tools else base
+        if reserve.answer_setting:
+            lower = f"lower {reserve.answer_setting}"
+        elif from_policy:
+            lower = f"lower answer_tokens in the policy ({self.policy.name!r}) or pass a smaller max_tokens"
+        else:
+            lower = "lower max_tokens"
+        trims = "send fewer or shorter tool schemas, shorten the request or the system prompt"
+        if withheld:
+            where = (
+                f"the limit of {limit:,}: the keeper's {self.limit:,} ({self.limit_source}) less {withheld:,} "
+                f"withheld ({reserve.why or 'for this call'})"
+            )
+            fix = f"{lower}, {trims}, or {reserve.fix or 'raise the limit that binds'}"
+        else:
+            where = f"the limit of {self.limit:,} ({self.limit_source})"
+            fix = (
+                f"{lower}, {trims}, or raise context_window (a model with a longer context, or fewer concurrent "
+                "sequences on the GPU)"
+            )
         return RequestTooLarge(
             f"the parts that are never trimmed need {base:,} tokens (tools {base - without_tools:,}; system prompt, "
             f"new request and template {without_tools:,}) plus {answer:,} reserved for the answer: {over:,} over "
-            f"the limit of {self.limit:,} ({self.limit_source}). Fix: lower max_tokens, send fewer or shorter tool "
-            "schemas, shorten the request or the system prompt, or raise context_window (a model with a longer "
-            "context, or fewer concurrent sequences on the GPU)",
+            f"{where}. Fix: {fix}",
             needed=base + answer,
-            limit=self.limit,
+            limit=limit,
+            withheld=withheld,
+            fix=fix,
         )
 
     def _check(
@@ -849,28 +926,33 @@ class ContextKeeper:
     def _new_dict(self, message: Message) -> dict[str, Any]:
         """``message.to_dict()``: a new dict every time (the caller may change it), copied from a remembered one
         when every value is an immutable scalar (a cleared tool result, a marker), which is cheaper."""
-        cache: dict[int, tuple[Message, dict[str, Any] | None]] = self._session.memory.setdefault("_dicts", {})
+        cache = self._session.memory.get("_dicts")
+        if cache is None:  # a Memo: bounded, with every other cache, by the shared byte budget
+            import sys
+
+            from ._memo import Memo
+
+            # The entry holds the message (a rewrite, counted where the strategies keep it) and a flat dict of it
+            # (new, its strings the message's own).
+            cache = self._session.memory["_dicts"] = Memo(
+                "keeper.dicts", sizer=lambda key, entry: sys.getsizeof(entry[1]) + 128
+            )
         entry = cache.get(id(message))
         if entry is None or entry[0] is not message:
             data = message.to_dict()
             flat = all(value is None or type(value) in (str, int, float, bool) for value in data.values())
-            if len(cache) > 20_000:
-                cache.clear()
-            cache[id(message)] = (message, dict(data) if flat else None)  # holds the message: its id stays unique
+            cache.put(id(message), (message, dict(data) if flat else None))  # holds the message: its id stays unique
             return data
         return dict(entry[1]) if entry[1] is not None else message.to_dict()
 
     def _slots(
         self, system: Unit, request: Unit, tools: list[Any] | None, base: int, tokens: int, answer: int
     ) -> dict[str, int]:
-        """Tokens per slot in prompt order (each is what it adds to the prompt so far; they sum to the prompt).
-        Only the small lists are counted; history is the prompt minus everything that is never trimmed."""
-        count = self._side.count
+        """Tokens per slot in prompt order (:func:`~contextkeeper.tokens.breakdown.prompt_slots`, the model
+        ``breakdown`` and the CLI's ``count`` use too), then the answer. Only the small lists are counted."""
         head = [i.message for i in system]
-        asked = [i.message for i in request]
-        fixed = [*head, *asked]
-        # The system prompt alone and with the tools: counted once while both stay the same objects (the entry
-        # holds them, so their ids are not reused); None when the template refuses them without a request.
+        # The system prompt's own counts: taken once while it and the tools stay the same objects (the entry
+        # holds them, so their ids are not reused).
         known = self._session.memory.get("_head_slots")
         if (
             known is None
@@ -878,35 +960,11 @@ class ContextKeeper:
             or len(known[0]) != len(head)
             or shared_prefix(known[0], head) != len(head)
         ):
-            try:
-                alone = int(count(head, add_generation_prompt=False)) if head else 0
-                with_tools = int(count(head, tools=tools, add_generation_prompt=False)) if tools else alone
-                parts: tuple[int, int] | None = (alone, with_tools)
-            except ChatTemplateError:
-                parts = None
-            known = (tuple(head), tools, parts)
+            known = (tuple(head), tools, head_counts(self._side.count, head, tools))
             self._session.memory["_head_slots"] = known
-        try:
-            if known[2] is None:
-                raise ChatTemplateError("the template refuses the system prompt without a request")
-            alone, with_tools = known[2]
-            bare = int(count(fixed, tools=tools, add_generation_prompt=False))
-            system_slot, tools_slot, request_slot, overhead = alone, with_tools - alone, bare - with_tools, base - bare
-        except ChatTemplateError:
-            # Templates that refuse a system prompt on its own (Llama 3.1+ puts tools in the first user message):
-            # the same slots as marginal costs of removing each part.
-            no_tools = int(count(fixed)) if tools else base
-            no_tools_bare = int(count(fixed, add_generation_prompt=False))
-            request_slot = int(count(asked, add_generation_prompt=False)) if asked else 0
-            system_slot, tools_slot, overhead = no_tools_bare - request_slot, base - no_tools, no_tools - no_tools_bare
-        return {
-            "system": system_slot,
-            "tools": tools_slot,
-            "history": tokens - base,
-            "request": request_slot,
-            "template_overhead": overhead,
-            "answer": answer,
-        }
+        asked = [i.message for i in request]
+        slots = prompt_slots(self._side.count, head, asked, tools, total=tokens, base=base, head=known[2])
+        return {**slots, "answer": answer}
 
     def count(self, messages: Sequence[MessageLike], *, tools: Sequence[Any] | None = None) -> int:
         """The exact prompt tokens of ``messages`` as given (no fitting)."""
@@ -930,13 +988,15 @@ class ContextKeeper:
 
         settings = self._call_settings
         capacity = settings["capacity"]
+        source = "kv_capacity" if capacity is not None else None
         if capacity is None and self.model is not None and self.gpu is not None:
             capacity = capacity_from_plan(
                 self.model, self.gpu, concurrency=self.concurrency, runtime=self.runtime, kv_dtype=self.kv_dtype
             )
+            source = "planned"
         calls = Calls(
             keeper=self,
-            ledger=Ledger(capacity, mode=settings["admission"], timeout=settings["timeout"]),
+            ledger=Ledger(capacity, mode=settings["admission"], timeout=settings["timeout"], source=source),
             transcript=open_transcript(settings["transcript"]),
         )
         self._calls = calls

@@ -6,6 +6,9 @@ Each call reserves its prompt plus its answer (``prompt_tokens + max_tokens``) w
 fits its prompt to. Threads and asyncio tasks share one ledger; admission is first come, first served, so a
 large call is never starved by a stream of small ones.
 
+A ticket may carry a lease: held longer than ``lease`` seconds without being renewed, it is released by the
+ledger itself (a wrapped stream renews its lease with every chunk, so only one that nobody reads or closes runs out).
+
 ``capacity_from_plan`` gives the capacity when the model and GPU are known: the KV tokens the GPU holds after
 weights, runtime overhead and the prefill peak, from the memory planner.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -27,17 +31,39 @@ __all__ = ["AdmissionTimeout", "ExceedsCapacity", "Ledger", "Ticket", "capacity_
 
 Mode = Literal["wait", "shrink"]
 
-_FIX = (
-    "lower concurrency= (fewer calls in flight), raise admission_timeout=, use a bigger GPU, or store the KV "
-    "cache in a smaller dtype (kv_dtype='fp8' or 'q8_0') so the GPU holds more tokens"
-)
+log = logging.getLogger("contextkeeper")
+
+#: Where a ledger's capacity came from, and what raises it.
+_MORE_ROOM = {
+    "planned": "store the KV cache in a smaller dtype (kv_dtype='fp8' or 'q8_0') so the GPU holds more tokens, or "
+    "use a bigger GPU",
+    "kv_capacity": "raise kv_capacity if the server's KV cache holds more (vLLM logs 'GPU KV cache size: N tokens')",
+}
+_HOLDER = {"planned": "the GPU holds (planned from the model and GPU)", "kv_capacity": "set by kv_capacity"}
+
+
+def _more_room(source: str | None) -> str:
+    return _MORE_ROOM.get(
+        source or "",
+        "give the ledger more capacity_tokens: store the KV cache in a smaller dtype (kv_dtype='fp8' or 'q8_0') or "
+        "use a bigger GPU",
+    )
 
 
 class AdmissionTimeout(ContextKeeperError, TimeoutError):
     """A call waited ``timeout`` seconds for room in the KV ledger and got none."""
 
     def __init__(
-        self, *, requested: int, active: int, capacity: int, waited: float, in_flight: int, label: str | None
+        self,
+        *,
+        requested: int,
+        active: int,
+        capacity: int,
+        waited: float,
+        in_flight: int,
+        label: str | None,
+        source: str | None = None,
+        mode: Mode = "wait",
     ) -> None:
         self.requested = requested
         self.active = active
@@ -45,32 +71,49 @@ class AdmissionTimeout(ContextKeeperError, TimeoutError):
         self.waited = waited
         self.in_flight = in_flight
         what = f" for {label}" if label else ""
+        shrink = ", use admission='shrink' (the call is fitted into what is free)" if mode == "wait" else ""
+        self.fix = (
+            f"lower concurrency= (fewer calls in flight), raise admission_timeout=, read streams to the end or close "
+            f"them (an open stream holds its tokens){shrink}, or {_more_room(source)}"
+        )
         super().__init__(
             f"waited {waited:.1f} s to admit {requested:,} KV tokens{what}, but {active:,} of the capacity of "
             f"{capacity:,} stayed in use by {in_flight} call(s) in flight (free: {capacity - active:,}, short by "
-            f"{requested - (capacity - active):,}). Fix: {_FIX}"
+            f"{requested - (capacity - active):,}). Fix: {self.fix}"
         )
 
 
 class ExceedsCapacity(ContextKeeperError, ValueError):
     """A call needs more KV tokens on its own than the whole capacity: no amount of waiting admits it."""
 
-    def __init__(self, *, requested: int, capacity: int, label: str | None, what: str = "requested") -> None:
+    def __init__(
+        self,
+        *,
+        requested: int,
+        capacity: int,
+        label: str | None,
+        what: str = "requested",
+        source: str | None = None,
+        shrinkable: bool = False,
+    ) -> None:
         self.requested = requested
         self.capacity = capacity
         name = f" ({label})" if label else ""
+        holder = _HOLDER.get(source or "", "of the ledger")
+        # Shrinking helps only a call whose never-trimmed part fits: then it is fitted into the capacity.
+        shrink = ", use admission='shrink' so it is fitted into the capacity" if shrinkable else ""
+        self.fix = f"lower max_tokens or context_window so one call fits{shrink}, or {_more_room(source)}"
         super().__init__(
             f"a call{name} {what} {requested:,} KV tokens, {requested - capacity:,} more than the capacity of "
-            f"{capacity:,} the GPU holds for all calls together. Fix: lower max_tokens or context_window so one "
-            "call fits, use mode='shrink' with a smaller minimum, store the KV cache in a smaller dtype "
-            "(kv_dtype='fp8' or 'q8_0'), or use a bigger GPU"
+            f"{capacity:,} {holder} for all calls together. Fix: {self.fix}"
         )
 
 
 @dataclass(eq=False)
 class Ticket:
     """One admitted call: ``tokens`` it holds now, what it ``requested``, how long it ``waited`` and whether
-    it was ``shrunk`` below its request. Released when the ``admit`` block exits (also on an exception)."""
+    it was ``shrunk`` below its request. Released when the ``admit`` block exits (also on an exception), or by
+    the ledger once its ``lease`` (seconds) runs out without a :meth:`renew` (``expired`` then says so)."""
 
     ledger: Ledger = field(repr=False)
     requested: int
@@ -79,6 +122,14 @@ class Ticket:
     shrunk: bool
     label: str | None = None
     released: bool = False
+    lease: float | None = None
+    expires: float | None = field(default=None, repr=False)  # time.monotonic() deadline
+    expired: bool = False
+
+    def renew(self) -> None:
+        """Start the lease again (a stream calls it with every chunk)."""
+        if self.lease is not None:
+            self.expires = time.monotonic() + self.lease
 
     def resize(self, tokens: int) -> None:
         """Hold ``tokens`` instead (the real prompt after the fit is usually smaller than the reservation).
@@ -97,6 +148,14 @@ def _check_tokens(tokens: int, what: str = "tokens") -> int:
     return tokens
 
 
+def _check_seconds(value: float | None, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ConfigurationError(f"{what} must be a number of seconds > 0 (or None: no limit), got {value!r}")
+    return float(value)
+
+
 class _Waiter:
     """A call in the queue. Async waiters carry their loop and a future to wake; threads wait on the condition."""
 
@@ -113,19 +172,31 @@ class Ledger:
     ``capacity_tokens``: the most tokens in flight at once (None: unlimited; the ledger still tracks
     ``active`` and ``peak``). ``mode``: ``"wait"`` queues a call until its tokens fit; ``"shrink"`` admits it
     at once with what is free when that is at least its ``minimum``, and queues it otherwise. ``timeout``:
-    the longest a call waits before :class:`AdmissionTimeout`.
+    the longest a call waits before :class:`AdmissionTimeout`. ``lease``: the seconds a ticket is held at most
+    without being renewed (None: until released; each ``acquire`` may set its own). ``source`` says where the
+    capacity came from (``"kv_capacity"``, ``"planned"``), for the advice in errors.
     """
 
-    def __init__(self, capacity_tokens: int | None, *, mode: Mode = "wait", timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        capacity_tokens: int | None,
+        *,
+        mode: Mode = "wait",
+        timeout: float = 30.0,
+        lease: float | None = None,
+        source: str | None = None,
+    ) -> None:
         if capacity_tokens is not None:
             _check_tokens(capacity_tokens, "capacity_tokens")
         if mode not in ("wait", "shrink"):
             raise ConfigurationError(f"mode must be 'wait' or 'shrink', got {mode!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
             raise ConfigurationError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         self.capacity = capacity_tokens
         self.mode: Mode = mode
         self.timeout = float(timeout)
+        self.lease = _check_seconds(lease, "lease")
+        self.source = source
         # One threading lock guards everything, for threads and event loops alike: critical sections are a few
         # arithmetic operations, so taking it from a coroutine never blocks a loop for long. Threads sleep on
         # the condition; an asyncio task sleeps on a future of its own loop, which a release from any thread
@@ -133,13 +204,14 @@ class Ledger:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._queue: deque[_Waiter] = deque()
-        self._tickets: set[int] = set()
+        self._tickets: dict[int, Ticket] = {}
         self.active = 0
         self.peak = 0
         self.admitted = 0
         self.waits = 0  # admissions that had to wait
         self.shrinks = 0
         self.timeouts = 0
+        self.expired = 0  # tickets released because their lease ran out
 
     def __repr__(self) -> str:
         cap = "unlimited" if self.capacity is None else f"{self.capacity:,}"
@@ -153,6 +225,7 @@ class Ledger:
     def available(self) -> int | None:
         """Tokens free now (None: unlimited)."""
         with self._lock:
+            self._expire(time.monotonic())
             return None if self.capacity is None else max(0, self.capacity - self.active)
 
     # ------------------------------------------------------------------------------------- decision
@@ -165,7 +238,15 @@ class Ledger:
         floor = tokens if self.mode == "wait" else min(tokens, 1 if minimum is None else minimum)
         if self.capacity is not None and floor > self.capacity:
             what = "requested" if floor == tokens else "needs at least"
-            raise ExceedsCapacity(requested=floor, capacity=self.capacity, label=label, what=what)
+            shrinkable = self.mode == "wait" and minimum is not None and minimum <= self.capacity
+            raise ExceedsCapacity(
+                requested=floor,
+                capacity=self.capacity,
+                label=label,
+                what=what,
+                source=self.source,
+                shrinkable=shrinkable,
+            )
         return floor
 
     def _grant(self, waiter: _Waiter, tokens: int, floor: int) -> int | None:
@@ -182,7 +263,9 @@ class Ledger:
             return free
         return None
 
-    def _admit(self, waiter: _Waiter, tokens: int, granted: int, waited: float, label: str | None) -> Ticket:
+    def _admit(
+        self, waiter: _Waiter, tokens: int, granted: int, waited: float, label: str | None, lease: float | None
+    ) -> Ticket:
         """Book a grant (lock held) and let the next in the queue try."""
         self._queue.popleft()
         self.active += granted
@@ -190,10 +273,36 @@ class Ledger:
         self.admitted += 1
         self.waits += waited > 0
         self.shrinks += granted < tokens
-        ticket = Ticket(self, requested=tokens, tokens=granted, waited=waited, shrunk=granted < tokens, label=label)
-        self._tickets.add(id(ticket))
+        ticket = Ticket(
+            self, requested=tokens, tokens=granted, waited=waited, shrunk=granted < tokens, label=label, lease=lease
+        )
+        ticket.renew()
+        self._tickets[id(ticket)] = ticket
         self._wake()
         return ticket
+
+    def _expire(self, now: float) -> float | None:
+        """Release the tickets whose lease ran out (lock held); the seconds until the next one runs out, if any."""
+        due = [t for t in self._tickets.values() if t.expires is not None and t.expires <= now]
+        for ticket in due:
+            log.warning(
+                "released %s KV tokens of %s: held %.0f s without a sign of life (its lease); a stream that is "
+                "neither read to the end nor closed holds its tokens until then",
+                f"{ticket.tokens:,}",
+                ticket.label or "a call",
+                ticket.lease or 0.0,
+            )
+            ticket.expired = True
+            self._drop(ticket)
+            self.expired += 1
+        deadlines = [t.expires for t in self._tickets.values() if t.expires is not None]
+        return max(0.0, min(deadlines) - now) if deadlines else None
+
+    def _pause(self, waited: float, limit: float) -> float:
+        """How long a waiter sleeps before it looks again (lock held): until its timeout or the next lease ends."""
+        pause = limit - waited
+        until_lease = self._expire(time.monotonic())
+        return pause if until_lease is None else min(pause, until_lease + 0.001)
 
     def _timeout(self, waiter: _Waiter, tokens: int, waited: float, label: str | None) -> AdmissionTimeout:
         self.timeouts += 1
@@ -205,6 +314,8 @@ class Ledger:
             waited=waited,
             in_flight=len(self._tickets),
             label=label,
+            source=self.source,
+            mode=self.mode,
         )
 
     def _leave(self, waiter: _Waiter) -> None:
@@ -224,12 +335,16 @@ class Ledger:
 
     def _release(self, ticket: Ticket) -> None:
         with self._lock:
-            if ticket.released:
-                return
-            ticket.released = True
-            self._tickets.discard(id(ticket))
-            self.active -= ticket.tokens
-            self._wake()
+            self._drop(ticket)
+
+    def _drop(self, ticket: Ticket) -> None:
+        """Give a ticket's tokens back (lock held; idempotent)."""
+        if ticket.released:
+            return
+        ticket.released = True
+        self._tickets.pop(id(ticket), None)
+        self.active -= ticket.tokens
+        self._wake()
 
     def _resize(self, ticket: Ticket, tokens: int) -> None:
         with self._lock:
@@ -238,7 +353,11 @@ class Ledger:
             grow = tokens - ticket.tokens
             if grow > 0 and self.capacity is not None and self.active + grow > self.capacity:
                 raise ExceedsCapacity(
-                    requested=self.active + grow, capacity=self.capacity, label=ticket.label, what="would hold"
+                    requested=self.active + grow,
+                    capacity=self.capacity,
+                    label=ticket.label,
+                    what="would hold",
+                    source=self.source,
                 )
             self.active += grow
             self.peak = max(self.peak, self.active)
@@ -248,12 +367,19 @@ class Ledger:
 
     # ------------------------------------------------------------------------------------------ sync
     def acquire(
-        self, tokens: int, *, minimum: int | None = None, label: str | None = None, timeout: float | None = None
+        self,
+        tokens: int,
+        *,
+        minimum: int | None = None,
+        label: str | None = None,
+        timeout: float | None = None,
+        lease: float | None = None,
     ) -> Ticket:
         """Block until ``tokens`` (in mode "shrink": at least ``minimum``) are admitted; the caller releases the
-        ticket. Prefer ``with ledger.admit(...)``."""
+        ticket. Prefer ``with ledger.admit(...)``. ``lease``: this ticket's lease (default: the ledger's)."""
         floor = self._validate(tokens, minimum, label)
         limit = self.timeout if timeout is None else timeout
+        held = _check_seconds(lease, "lease") if lease is not None else self.lease
         started = time.monotonic()
         blocked = False
         waiter = _Waiter()
@@ -264,22 +390,30 @@ class Ledger:
                     granted = self._grant(waiter, tokens, floor)
                     waited = time.monotonic() - started
                     if granted is not None:
-                        return self._admit(waiter, tokens, granted, waited if blocked else 0.0, label)
+                        return self._admit(waiter, tokens, granted, waited if blocked else 0.0, label, held)
                     if waited >= limit:
                         raise self._timeout(waiter, tokens, waited, label)
-                    blocked = True
-                    self._changed.wait(limit - waited)
+                    pause = self._pause(waited, limit)
+                    if self._grant(waiter, tokens, floor) is None:  # expired leases may have made room
+                        blocked = True
+                        self._changed.wait(pause)
             except BaseException:
                 self._leave(waiter)  # interrupted while queued: let the calls behind go
                 raise
 
     @contextlib.contextmanager
     def admit(
-        self, tokens: int, *, minimum: int | None = None, label: str | None = None, timeout: float | None = None
+        self,
+        tokens: int,
+        *,
+        minimum: int | None = None,
+        label: str | None = None,
+        timeout: float | None = None,
+        lease: float | None = None,
     ) -> Iterator[Ticket]:
         """``with ledger.admit(prompt + max_tokens) as ticket:`` admits the call (waiting, or shrinking per
         the mode) and releases its tokens when the block exits, also on an exception."""
-        ticket = self.acquire(tokens, minimum=minimum, label=label, timeout=timeout)
+        ticket = self.acquire(tokens, minimum=minimum, label=label, timeout=timeout, lease=lease)
         try:
             yield ticket
         finally:
@@ -287,11 +421,18 @@ class Ledger:
 
     # ----------------------------------------------------------------------------------------- async
     async def acquire_async(
-        self, tokens: int, *, minimum: int | None = None, label: str | None = None, timeout: float | None = None
+        self,
+        tokens: int,
+        *,
+        minimum: int | None = None,
+        label: str | None = None,
+        timeout: float | None = None,
+        lease: float | None = None,
     ) -> Ticket:
         """The awaitable :meth:`acquire`: waits on the running loop, never blocking it."""
         floor = self._validate(tokens, minimum, label)
         limit = self.timeout if timeout is None else timeout
+        held = _check_seconds(lease, "lease") if lease is not None else self.lease
         started = time.monotonic()
         blocked = False
         loop = asyncio.get_running_loop()
@@ -304,16 +445,19 @@ class Ledger:
                     granted = self._grant(waiter, tokens, floor)
                     waited = time.monotonic() - started
                     if granted is not None:
-                        return self._admit(waiter, tokens, granted, waited if blocked else 0.0, label)
+                        return self._admit(waiter, tokens, granted, waited if blocked else 0.0, label, held)
                     if waited >= limit:
                         raise self._timeout(waiter, tokens, waited, label)
+                    pause = self._pause(waited, limit)
+                    if self._grant(waiter, tokens, floor) is not None:
+                        continue  # expired leases made room
                     # A new future each round, made under the lock, so no wake-up between the check and the
                     # wait is lost.
                     future: asyncio.Future[None] = loop.create_future()
                     waiter.future = future
                 blocked = True
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(future, limit - waited)
+                    await asyncio.wait_for(future, pause)
         except BaseException:
             # Cancelled (or the timeout above): leave the queue so the calls behind can go.
             with self._lock:
@@ -322,10 +466,16 @@ class Ledger:
 
     @contextlib.asynccontextmanager
     async def admit_async(
-        self, tokens: int, *, minimum: int | None = None, label: str | None = None, timeout: float | None = None
+        self,
+        tokens: int,
+        *,
+        minimum: int | None = None,
+        label: str | None = None,
+        timeout: float | None = None,
+        lease: float | None = None,
     ) -> AsyncIterator[Ticket]:
         """``async with ledger.admit_async(...) as ticket:`` — :meth:`admit` for asyncio tasks."""
-        ticket = await self.acquire_async(tokens, minimum=minimum, label=label, timeout=timeout)
+        ticket = await self.acquire_async(tokens, minimum=minimum, label=label, timeout=timeout, lease=lease)
         try:
             yield ticket
         finally:
@@ -334,6 +484,7 @@ class Ledger:
     def stats(self) -> dict[str, Any]:
         """The counters, for reports."""
         with self._lock:
+            self._expire(time.monotonic())
             return {
                 "capacity": self.capacity,
                 "mode": self.mode,
@@ -345,6 +496,7 @@ class Ledger:
                 "waits": self.waits,
                 "shrinks": self.shrinks,
                 "timeouts": self.timeouts,
+                "expired": self.expired,
             }
 
 

@@ -5,10 +5,15 @@ inputs the prompt left out (``dropped``) or carried in a changed form (``rewritt
 de-duplicated, summarised) and the fit's report. ``recover(call)`` gives those inputs back in their original
 form; ``history(conversation)`` the whole, never-trimmed chat to resume from.
 
+Wrapped calls write ahead: :meth:`Transcript.start` stores (and, in SQLite, commits) the caller's inputs before
+anything is sent, and :meth:`Transcript.end` completes that entry with the prompt, the reply or the error. A call
+whose process ended in between reads back with ``status="interrupted"``.
+
 Storage is content-addressed so a long chat costs linear space, not quadratic: every distinct message (and
-tools list) is stored once under a hash of its canonical JSON, and a call's message lists are paths in a trie
-of (previous message, message) nodes, so a call that extends the previous call's list adds only its new
-messages. Index lists are stored as runs. :class:`MemoryTranscript` keeps this in dicts;
+tools list) is stored once under a hash of its JSON, and a call's message lists are paths in a trie of (previous
+message, message) nodes, so a call that extends the previous call's list adds only its new messages. The JSON
+keeps the caller's key order at every depth (a template renders keys in that order, so a replayed prompt counts
+as the sent one did). Index lists are stored as runs. :class:`MemoryTranscript` keeps this in dicts;
 :class:`SQLiteTranscript` in a SQLite file (WAL mode) that survives restarts.
 """
 
@@ -18,29 +23,37 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import os
+import socket
 import sqlite3
 import threading
 import time as _time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from ._exceptions import ContextKeeperError
+from ._exceptions import ConfigurationError, ContextKeeperError
 from .messages import Message
 
 __all__ = [
+    "INTERRUPTED",
     "MemoryTranscript",
     "SQLiteTranscript",
     "Transcript",
     "TranscriptEntry",
     "UnknownCall",
+    "check_transcript",
     "diff_prompt",
     "make_entry",
     "open_transcript",
 ]
 
 Indices = tuple[int, ...]
+Status = Literal["ok", "failed", "pending", "interrupted"]
+
+#: The error of a call that was started (its inputs stored) by a process that ended before the call did.
+INTERRUPTED = "interrupted: the process ended before the reply"
 
 
 class UnknownCall(ContextKeeperError, LookupError):
@@ -51,7 +64,10 @@ class UnknownCall(ContextKeeperError, LookupError):
 class TranscriptEntry:
     """One wrapped call. ``inputs`` is the caller's full list, ``sent`` the fitted prompt (plain dicts);
     ``dropped`` / ``rewritten`` index into ``inputs``. ``call`` is assigned by the transcript (0 until
-    recorded); ``received`` is None when the call failed (``error`` says why)."""
+    recorded). ``status``: ``"ok"``; ``"failed"`` (``error`` says why; ``received`` holds what arrived before
+    the failure, e.g. a stream cut mid-way, or None); ``"pending"`` (started, not ended yet: only the inputs are
+    known); ``"interrupted"`` (started by a process that ended before the call did; ``error`` is
+    :data:`INTERRUPTED`)."""
 
     call: int = 0
     conversation: str = "default"
@@ -67,6 +83,7 @@ class TranscriptEntry:
     usage: dict[str, Any] | None = None
     error: str | None = None
     attempts: int = 1
+    status: Status = "ok"
 
     @property
     def removed(self) -> Indices:
@@ -130,8 +147,26 @@ def _default(value: Any) -> Any:
     return str(value)
 
 
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_default)
+def _serial(value: Any) -> str:
+    """Compact JSON in the value's own key order (what is stored, and hashed: two dicts equal but for their key
+    order are two blobs, each read back in its own order)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=_default)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` with dict keys in the same order at every depth."""
+    return a == b and _same_order(a, b)
+
+
+def _same_order(a: Any, b: Any) -> bool:
+    # Called on equal values only, so the shapes match; containers of scalars end the walk at once.
+    if isinstance(a, Mapping):
+        if list(a) != list(b):
+            return False
+        return all(_same_order(v, b[k]) for k, v in a.items() if isinstance(v, (Mapping, list, tuple)))
+    if isinstance(a, (list, tuple)):
+        return all(_same_order(x, y) for x, y in zip(a, b, strict=False) if isinstance(x, (Mapping, list, tuple)))
+    return True
 
 
 def _digest(text: str) -> str:
@@ -296,6 +331,7 @@ def make_entry(
         usage=_plain_value(usage),
         error=None if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}"),
         attempts=attempts,
+        status="ok" if error is None else "failed",
     )
 
 
@@ -334,9 +370,66 @@ class _Row:
     usage: str | None
     error: str | None
     attempts: int
+    state: str = "done"  # "begun": the inputs were stored before the call was sent; "done": it ended
+    owner: str | None = None  # the process that began it (see _owner)
 
 
 _ID_CACHE_LIMIT = 1 << 16
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (Linux: clock ticks since boot), or None where that cannot be read. With the
+    pid it names one process even after the pid is reused (a restarted container often gets the same pid)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+_OWNERS: dict[int, str] = {}
+
+
+def _owner() -> str:
+    """This process, as stored with the calls it begins: host, pid and start time (or a random tag). Looked up by
+    pid, so a forked child is another owner."""
+    pid = os.getpid()
+    owner = _OWNERS.get(pid)
+    if owner is None:
+        owner = _OWNERS[pid] = f"{socket.gethostname()}/{pid}/{_start_time(pid) or os.urandom(6).hex()}"
+    return owner
+
+
+def _running(owner: str | None) -> bool:
+    """Whether the process that began a call may still be running it (unknown hosts are given the benefit)."""
+    if owner is None:
+        return False
+    if owner == _owner():
+        return True
+    host, pid, started = owner.rsplit("/", 2)
+    if host != socket.gethostname():
+        return True
+    if int(pid) == os.getpid():
+        return False  # our pid, not our start: an earlier process that had this pid
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, someone else's
+    except (OSError, ValueError):
+        return False
+    now = _start_time(int(pid))
+    return now is None or now == started or not started.isdigit()
+
+
+def _status(row: _Row, running: dict[str | None, bool]) -> Status:
+    """The row's status; ``running`` caches the owners looked up in one read."""
+    if row.state == "done":
+        return "failed" if row.error is not None else "ok"
+    if row.owner not in running:
+        running[row.owner] = _running(row.owner)
+    return "pending" if running[row.owner] else "interrupted"
 
 
 class _Never:
@@ -368,6 +461,7 @@ class Transcript:
         self._created: set[int] = set()  # nodes this instance stored
         # conversation -> snapshots of the inputs it last recorded and their trie nodes
         self._paths: dict[str, tuple[tuple[object, ...], list[int]]] = {}
+        self._begun: dict[int, int] = {}  # calls started and not ended here -> their inputs' node
 
     # -- primitives -------------------------------------------------------------------------------------
     def _store_blob(self, digest: str, text: str) -> int:
@@ -395,6 +489,10 @@ class Transcript:
     def _insert(self, row: _Row) -> int:
         raise NotImplementedError
 
+    def _update(self, row: _Row) -> None:
+        """Replace the stored row ``row.call`` (a begun call, now ended)."""
+        raise NotImplementedError
+
     def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
         raise NotImplementedError
 
@@ -407,7 +505,7 @@ class Transcript:
 
     # -- interning --------------------------------------------------------------------------------------
     def _blob(self, value: Any, text: str | None = None) -> int:
-        text = _canonical(value) if text is None else text
+        text = _serial(value) if text is None else text
         digest = _digest(text)
         blob = self._blobs.get(digest)
         if blob is None:
@@ -421,10 +519,10 @@ class Transcript:
         """The message's blob id, and a snapshot that compares equal to it while it is unchanged (a copy of a
         dict, a Message itself; ``_NEVER`` for objects we cannot compare cheaply)."""
         seen = self._seen.get(id(message))
-        if seen is not None and seen[0] is message and seen[2] == message:
+        if seen is not None and seen[0] is message and _same(seen[2], message):
             return seen[1], seen[2]
         if type(message) is dict:
-            text = _canonical(message)
+            text = _serial(message)
             blob = self._blob(None, text)
             snapshot: object = json.loads(text)
         elif isinstance(message, Message):
@@ -447,7 +545,7 @@ class Transcript:
         if memo is not None:
             known, known_nodes = memo
             size = len(known)
-            if size and size <= len(messages) and tuple(messages[:size]) == known:
+            if size and size <= len(messages) and all(map(_same, known, messages[:size])):
                 node, start = known_nodes[-1], size
                 snapshots, nodes = list(known), list(known_nodes)
         comparable = len(snapshots) == start
@@ -471,26 +569,28 @@ class Transcript:
         return node
 
     # -- public -----------------------------------------------------------------------------------------
-    def record(self, entry: TranscriptEntry) -> TranscriptEntry:
-        """Store ``entry`` and return it with its call number."""
+    def _row(self, entry: TranscriptEntry, inputs: int | None = None) -> _Row:
+        return _Row(
+            call=entry.call,
+            conversation=entry.conversation,
+            time=entry.time,
+            inputs=self._node(entry.inputs, lane=entry.conversation) if inputs is None else inputs,
+            sent=self._node(entry.sent),
+            tools=self._blob(list(entry.tools)) if entry.tools is not None else None,
+            received=self._blob(entry.received) if entry.received is not None else None,
+            dropped=json.dumps(_runs(entry.dropped)),
+            rewritten=json.dumps(_runs(entry.rewritten)),
+            report=_serial({**entry.report, "actions": list(entry.actions)}),
+            usage=_serial(entry.usage) if entry.usage is not None else None,
+            error=entry.error,
+            attempts=entry.attempts,
+        )
+
+    def _write(self, store: Any) -> int:
+        """Run ``store()`` (which writes rows and returns a call number) as one transaction, under the lock."""
         with self._lock:
             try:
-                row = _Row(
-                    call=0,
-                    conversation=entry.conversation,
-                    time=entry.time,
-                    inputs=self._node(entry.inputs, lane=entry.conversation),
-                    sent=self._node(entry.sent),
-                    tools=self._blob(list(entry.tools)) if entry.tools is not None else None,
-                    received=self._blob(entry.received) if entry.received is not None else None,
-                    dropped=json.dumps(_runs(entry.dropped)),
-                    rewritten=json.dumps(_runs(entry.rewritten)),
-                    report=_canonical({**entry.report, "actions": list(entry.actions)}),
-                    usage=_canonical(entry.usage) if entry.usage is not None else None,
-                    error=entry.error,
-                    attempts=entry.attempts,
-                )
-                call = self._insert(row)
+                call = int(store())
                 self._commit()
             except BaseException:
                 if self._rollback():  # the caches may hold ids the rollback took back
@@ -500,11 +600,60 @@ class Transcript:
                     self._paths.clear()
                     self._created.clear()
                 raise
+        return call
+
+    def record(self, entry: TranscriptEntry) -> TranscriptEntry:
+        """Store ``entry`` (a call that has ended) and return it with its call number."""
+        call = self._write(lambda: self._insert(self._row(dataclasses.replace(entry, call=0))))
         return dataclasses.replace(entry, call=call)
 
     def add(self, inputs: Sequence[Any], fit: Any = None, **details: Any) -> TranscriptEntry:
-        """Record one call: :func:`make_entry` then :meth:`record`."""
+        """Record one call that has ended: :func:`make_entry` then :meth:`record`."""
         return self.record(make_entry(inputs, fit, **details))
+
+    def start(
+        self,
+        inputs: Sequence[Any],
+        *,
+        conversation: str = "default",
+        tools: Sequence[Any] | None = None,
+        time: float | None = None,
+    ) -> TranscriptEntry:
+        """Store (durably, before anything is sent) the inputs of a call about to be made; returns its entry
+        (``status="pending"``) with the call number that :meth:`end` completes."""
+        entry = TranscriptEntry(
+            conversation=conversation,
+            time=_time.time() if time is None else time,
+            inputs=_plains(inputs),
+            tools=tuple(_plain_value(t) or {} for t in tools) if tools else None,
+            status="pending",
+        )
+
+        nodes: list[int] = []
+
+        def store() -> int:
+            row = dataclasses.replace(self._row(entry), state="begun", owner=_owner())
+            nodes.append(row.inputs)
+            return self._insert(row)
+
+        call = self._write(store)
+        self._begun[call] = nodes[-1]  # committed: end() reuses the stored inputs
+        return dataclasses.replace(entry, call=call)
+
+    def end(self, started: TranscriptEntry, fit: Any = None, **details: Any) -> TranscriptEntry:
+        """Complete the call :meth:`start` began: ``fit`` and ``details`` as for :func:`make_entry` (the inputs,
+        conversation, tools and start time are the started entry's)."""
+        details.setdefault("tools", started.tools)
+        entry = make_entry(started.inputs, fit, conversation=started.conversation, time=started.time, **details)
+        entry = dataclasses.replace(entry, call=started.call)
+
+        def store() -> int:
+            inputs = self._begun.pop(started.call, None)
+            self._update(self._row(entry, inputs))
+            return started.call
+
+        self._write(store)
+        return entry
 
     def _entries(self, rows: list[_Row]) -> list[TranscriptEntry]:
         wanted: set[int] = set()
@@ -523,8 +672,10 @@ class Transcript:
             return parsed[blob]
 
         out = []
+        running: dict[str | None, bool] = {}
         for row in rows:
             report = json.loads(row.report)
+            status = _status(row, running)
             out.append(
                 TranscriptEntry(
                     call=row.call,
@@ -539,8 +690,9 @@ class Transcript:
                     actions=tuple(report.get("actions", ())),
                     report=report,
                     usage=json.loads(row.usage) if row.usage is not None else None,
-                    error=row.error,
+                    error=INTERRUPTED if status == "interrupted" else row.error,
                     attempts=row.attempts,
+                    status=status,
                 )
             )
         return out
@@ -570,11 +722,13 @@ class Transcript:
         return [entry.inputs[i] for i in entry.removed]
 
     def history(self, conversation: str = "default") -> list[dict[str, Any]]:
-        """The full conversation as the latest call saw it, never trimmed, plus its reply: what to resume from."""
+        """The full conversation as the latest call saw it, never trimmed, plus its reply when it has one (a
+        call that failed, or that a crash interrupted, ends the history with its inputs): what to resume from."""
         entry = self.last(conversation)
         if entry is None:
             return []
-        return [*entry.inputs, *([entry.received] if entry.received is not None else [])]
+        reply = [entry.received] if entry.received is not None and entry.status == "ok" else []
+        return [*entry.inputs, *reply]
 
     def __len__(self) -> int:
         with self._lock:
@@ -630,6 +784,11 @@ class MemoryTranscript(Transcript):
         self._rows.append(dataclasses.replace(row, call=call))
         return call
 
+    def _update(self, row: _Row) -> None:
+        if not 1 <= row.call <= len(self._rows):
+            raise UnknownCall(f"the transcript holds no call {row.call}")
+        self._rows[row.call - 1] = row
+
     def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
         if call is not None:
             return [self._rows[call - 1]] if 1 <= call <= len(self._rows) else []
@@ -655,10 +814,20 @@ CREATE TABLE IF NOT EXISTS calls (
     report TEXT NOT NULL,
     usage TEXT,
     error TEXT,
-    attempts INTEGER NOT NULL
+    attempts INTEGER NOT NULL,
+    state TEXT NOT NULL DEFAULT 'done',
+    owner TEXT
 );
 CREATE INDEX IF NOT EXISTS calls_by_conversation ON calls (conversation, call);
 """
+
+# Columns added since the first files were written: (name, declaration), added to older files when opened.
+_ADDED = (("state", "TEXT NOT NULL DEFAULT 'done'"), ("owner", "TEXT"))
+
+_COLUMNS = (
+    "call, conversation, time, inputs, sent, tools, received, dropped, rewritten, report, usage, error, attempts, "
+    "state, owner"
+)
 
 _PATH = """
 WITH RECURSIVE chain(id, parent, blob, depth) AS (
@@ -668,6 +837,12 @@ WITH RECURSIVE chain(id, parent, blob, depth) AS (
 )
 SELECT blob FROM chain ORDER BY depth DESC
 """
+
+
+def _existing(found: int | None) -> int:
+    if found is None:  # the insert conflicted, so the row exists: only a corrupt file gets here
+        raise ContextKeeperError("the transcript file lost a row it had just refused to store twice")
+    return found
 
 
 class SQLiteTranscript(Transcript):
@@ -685,9 +860,24 @@ class SQLiteTranscript(Transcript):
         self._db: sqlite3.Connection | None = sqlite3.connect(
             str(self.path), check_same_thread=False, isolation_level=None
         )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL: a commit survives the process being killed (the WAL is in the OS's hands); only a power cut
+            # may lose the latest commits.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=10000")  # another process writing the same file
+            self._db.executescript(_SCHEMA)
+            have = {str(row[1]) for row in self._db.execute("PRAGMA table_info(calls)")}
+            for name, declaration in _ADDED:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE calls ADD COLUMN {name} {declaration}")
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            self._db = None
+            raise ConfigurationError(
+                f"transcript={str(self.path)!r} cannot be used as a SQLite transcript ({exc}). Fix: pass a new file "
+                "name, or the path of a transcript file this library wrote"
+            ) from exc
         self._open = False
 
     def __repr__(self) -> str:
@@ -706,8 +896,13 @@ class SQLiteTranscript(Transcript):
 
     def _store_blob(self, digest: str, text: str) -> int:
         self._begin()
-        cursor = self.db.execute("INSERT INTO blobs (digest, json) VALUES (?, ?)", (digest, text))
-        return int(cursor.lastrowid or 0)
+        # Another process writing the same file may have stored it since we looked: then take its row.
+        cursor = self.db.execute(
+            "INSERT INTO blobs (digest, json) VALUES (?, ?) ON CONFLICT (digest) DO NOTHING", (digest, text)
+        )
+        if cursor.rowcount == 1:
+            return int(cursor.lastrowid or 0)
+        return _existing(self._find_blob(digest))
 
     def _find_blob(self, digest: str) -> int | None:
         found = self.db.execute("SELECT id FROM blobs WHERE digest = ?", (digest,)).fetchone()
@@ -725,8 +920,13 @@ class SQLiteTranscript(Transcript):
 
     def _store_node(self, parent: int, blob: int) -> int:
         self._begin()
-        cursor = self.db.execute("INSERT INTO nodes (parent, blob) VALUES (?, ?)", (parent, blob))
-        return int(cursor.lastrowid or 0)
+        # As for blobs: a node this process made may have gained children in another process.
+        cursor = self.db.execute(
+            "INSERT INTO nodes (parent, blob) VALUES (?, ?) ON CONFLICT (parent, blob) DO NOTHING", (parent, blob)
+        )
+        if cursor.rowcount == 1:
+            return int(cursor.lastrowid or 0)
+        return _existing(self._find_node(parent, blob))
 
     def _find_node(self, parent: int, blob: int) -> int | None:
         found = self.db.execute("SELECT id FROM nodes WHERE parent = ? AND blob = ?", (parent, blob)).fetchone()
@@ -759,7 +959,7 @@ class SQLiteTranscript(Transcript):
         self._begin()
         cursor = self.db.execute(
             "INSERT INTO calls (conversation, time, inputs, sent, tools, received, dropped, rewritten, report, "
-            "usage, error, attempts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "usage, error, attempts, state, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.conversation,
                 row.time,
@@ -773,9 +973,34 @@ class SQLiteTranscript(Transcript):
                 row.usage,
                 row.error,
                 row.attempts,
+                row.state,
+                row.owner,
             ),
         )
         return int(cursor.lastrowid or 0)
+
+    def _update(self, row: _Row) -> None:
+        self._begin()
+        cursor = self.db.execute(
+            "UPDATE calls SET inputs = ?, sent = ?, tools = ?, received = ?, dropped = ?, rewritten = ?, "
+            "report = ?, usage = ?, error = ?, attempts = ?, state = ? WHERE call = ?",
+            (
+                row.inputs,
+                row.sent,
+                row.tools,
+                row.received,
+                row.dropped,
+                row.rewritten,
+                row.report,
+                row.usage,
+                row.error,
+                row.attempts,
+                row.state,
+                row.call,
+            ),
+        )
+        if cursor.rowcount != 1:
+            raise UnknownCall(f"the transcript {self.path} holds no call {row.call}")
 
     def _commit(self) -> None:
         if self._open:
@@ -790,10 +1015,7 @@ class SQLiteTranscript(Transcript):
         return True
 
     def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
-        columns = (
-            "call, conversation, time, inputs, sent, tools, received, dropped, rewritten, report, usage, error, "
-            "attempts"
-        )
+        columns = _COLUMNS
         where: list[str] = []
         args: list[int | str] = []
         if call is not None:
@@ -821,6 +1043,8 @@ class SQLiteTranscript(Transcript):
                 usage=None if r[10] is None else str(r[10]),
                 error=None if r[11] is None else str(r[11]),
                 attempts=int(r[12]),
+                state=str(r[13]),
+                owner=None if r[14] is None else str(r[14]),
             )
             for r in self.db.execute(sql, args)
         ]
@@ -836,12 +1060,59 @@ class SQLiteTranscript(Transcript):
                 self._db = None
 
 
-def open_transcript(spec: Transcript | str | Path | None) -> Transcript:
-    """None: a :class:`MemoryTranscript`; a path: a :class:`SQLiteTranscript` there; a transcript: itself."""
-    if spec is None:
-        return MemoryTranscript()
-    if isinstance(spec, Transcript):
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_transcript(spec: Any) -> Transcript | Path | None:
+    """``spec`` as :func:`open_transcript` takes it, checked without opening anything: None, a
+    :class:`Transcript`, or the path of a SQLite file (new, or one this library wrote). Anything else is a
+    :class:`ConfigurationError` that names the value and the fix."""
+    fix = "pass transcript=None (in memory), a file path such as 'chat.sqlite', or a Transcript object"
+    if spec is None or isinstance(spec, Transcript):
         return spec
-    if isinstance(spec, (str, Path)):
-        return SQLiteTranscript(spec)
-    raise TypeError(f"transcript must be None, a path or a Transcript, got {type(spec).__name__}")
+    if not isinstance(spec, (str, os.PathLike)) or isinstance(spec, bytes):
+        raise ConfigurationError(f"transcript={spec!r} ({type(spec).__name__}) is not a path. Fix: {fix}")
+    text = os.fspath(spec)
+    if not text.strip():
+        raise ConfigurationError(f"transcript={spec!r} is an empty path. Fix: {fix}")
+    if "://" in text:
+        raise ConfigurationError(
+            f"transcript={text!r} is a URL; only SQLite files are supported as transcript paths. Fix: pass the path "
+            "of a SQLite file (e.g. 'chat.sqlite'), or a Transcript object of your own"
+        )
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise ConfigurationError(
+            f"transcript={text!r} is a directory. Fix: name a file in it, e.g. {str(path / 'transcript.sqlite')!r}"
+        )
+    if path.exists():
+        try:
+            with path.open("rb") as file:
+                head = file.read(len(_SQLITE_HEADER))
+        except OSError as exc:
+            raise ConfigurationError(f"transcript={text!r} cannot be read ({exc}). Fix: {fix}") from exc
+        if head and head != _SQLITE_HEADER:
+            raise ConfigurationError(
+                f"transcript={text!r} exists and is not a SQLite file (it starts with {head[:8]!r}); it is left as "
+                "it is. Fix: pass a new file name, or the path of a transcript file this library wrote"
+            )
+    else:
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ConfigurationError(f"transcript={text!r}: {str(parent)!r} is a file, not a folder. Fix: {fix}")
+        if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigurationError(
+                f"transcript={text!r}: the folder {str(parent)!r} is not writable. Fix: pass a path you can write"
+            )
+    return path
+
+
+def open_transcript(spec: Transcript | str | Path | None) -> Transcript:
+    """None: a :class:`MemoryTranscript`; a path: a :class:`SQLiteTranscript` there; a transcript: itself. A
+    bad value is a :class:`ConfigurationError` (see :func:`check_transcript`)."""
+    checked = check_transcript(spec)
+    if checked is None:
+        return MemoryTranscript()
+    if isinstance(checked, Transcript):
+        return checked
+    return SQLiteTranscript(checked)

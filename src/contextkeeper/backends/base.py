@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .servers import kind_of_reply
+
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper
 
@@ -27,6 +29,11 @@ class Reply:
     completion_tokens: int | None = None
     cache_bytes: int | None = None  # local backends: the bytes the KV cache really held after the call
     pending: bool = False  # a stream: message and usage arrive later, through Request.finish
+    server_kind: str | None = None  # the server software, when the response tells (see .servers)
+    # A stream that did not end normally: why (the exception that broke it, or a note such as "closed by the
+    # caller"), with ``message`` holding what had arrived and ``chunks`` how many chunks reached the caller.
+    error: BaseException | str | None = None
+    chunks: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +45,10 @@ class Request:
     max_tokens: int | None  # the caller's answer budget (None: the caller set none)
     params: dict[str, Any]  # every other argument of the call, as the caller gave it
     stream: bool = False
-    finish: Callable[[Reply], None] = field(default=lambda reply: None, repr=False)  # streams call it at the end
+    # Streams call ``finish`` at their end (it returns the error to raise when the reply carries one) and ``renew``
+    # with every chunk (the call's admission stays held while the stream is alive).
+    finish: Callable[[Reply], BaseException | None] = field(default=lambda reply: None, repr=False)
+    renew: Callable[[], None] = field(default=lambda: None, repr=False)
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -68,11 +78,18 @@ def reply_from(result: Any) -> Reply:
         dump = getattr(raw, "model_dump", None)
         message = dict(dump(exclude_none=True)) if callable(dump) else dict(raw) if raw is not None else None
     prompt, completion = usage_of(result)
-    return Reply(result=result, message=message, prompt_tokens=prompt, completion_tokens=completion)
+    return Reply(
+        result=result,
+        message=message,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        server_kind=kind_of_reply(result),
+    )
 
 
 class Backend(Protocol):
-    """Sends a fitted prompt. ``server`` names where it goes: offsets and drift are learned per server."""
+    """Sends a fitted prompt. ``server`` names where it goes: offsets and drift are learned per server. A backend
+    may also have ``kind``: the server software its address suggests (see :mod:`.servers`)."""
 
     server: str
 

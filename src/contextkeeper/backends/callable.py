@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from .base import Reply, Request, register_wrapper, reply_from
-from .calls import Call, Options, call_async, call_sync, calls_of
+from .calls import Call, call_async, call_sync, calls_of, options
 
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper
@@ -44,10 +44,10 @@ def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-def wrap_callable(keeper: ContextKeeper, fn: Callable[..., Any], *, server: str | None = None, **options: Any) -> Any:
+def wrap_callable(keeper: ContextKeeper, fn: Callable[..., Any], *, server: str | None = None, **given: Any) -> Any:
     """``fn`` with its own shape, fitted first; awaitable when ``fn`` is async."""
     backend = CallableBackend(fn, server)
-    settings = Options(**options)
+    settings = options(**given)
     calls = calls_of(keeper)
 
     def wrapped(messages: Any, **kwargs: Any) -> Any:

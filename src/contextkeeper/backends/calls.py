@@ -1,14 +1,22 @@
-"""One wrapped call: fit, admit, send, recover, record — written once, driven by a sync and an async loop.
+"""One wrapped call: record, fit, admit, send, recover, record — written once, driven by a sync and an async loop.
 
-The per-attempt steps live on :class:`Call` (``prepare``, ``failed``, ``done``); :func:`call_sync` and
-:func:`call_async` only differ in how they wait (tenacity's ``Retrying`` vs ``AsyncRetrying``) and in running
-the CPU-bound fit on a worker thread so an event loop is never blocked by it.
+The per-attempt steps live on :class:`Call` (``begin``, ``prepare``, ``failed``, ``done``, ``finish``);
+:func:`call_sync` and :func:`call_async` only differ in how they wait (tenacity's ``Retrying`` vs
+``AsyncRetrying``) and in running the CPU-bound fit and the transcript's first write on a worker thread so an
+event loop is never blocked by them.
+
+Write ahead. Before the first fit, the caller's messages go to the transcript (committed, for a SQLite file), and
+the call's entry is completed or marked failed when it ends, so a crash in between loses nothing it was given.
 
 Recovery. A refusal for length teaches the keeper about the server: the limit it reported, and the tokens it
 counted beyond ours (a hidden system prompt, a different template). Both are kept per server, so later calls fit
-under them and are not refused again. A refusal without numbers shrinks the budget by a step that doubles. A
-local out-of-memory error shrinks the prompt to three quarters. Transport errors (timeouts, 429, 5xx, malformed
-replies) are retried with exponential backoff, and only they wait.
+under them and are not refused again. What a refusal implies is bounded (at most half the server's limit) and
+heals: the first reply that reports its usage replaces it with what was measured, and a request that cannot fit
+under it alone is sent once without it, to check it. A refusal without numbers shrinks the budget by a step that
+doubles. A local out-of-memory error shrinks the prompt to three quarters. Transport errors (timeouts, 429, 5xx,
+malformed replies, a stream that breaks before its first chunk) are retried with exponential backoff, and only
+they wait. This is the only retry policy of a wrapped call: the openai SDK's own retries are turned off for the
+requests the wrapper sends.
 """
 
 from __future__ import annotations
@@ -18,21 +26,32 @@ import contextvars
 import dataclasses
 import inspect
 import logging
+import math
 import sys
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from .._exceptions import ContextLengthExceeded, OutOfMemory, ProviderError, TransportError
+from .._exceptions import (
+    ConfigurationError,
+    ContextLengthExceeded,
+    OutOfMemory,
+    ProviderError,
+    StreamInterrupted,
+    TransportError,
+)
 from .base import Backend, Reply, Request
 from .errors import Failure, classify
+from .servers import Drift, fewer_advice, kind_of_error
 
 if TYPE_CHECKING:
-    from ..keeper import ContextKeeper, Fit
+    from ..keeper import ContextKeeper, Fit, Reserve
     from ..ledger import Ledger, Ticket
+    from ..transcript import TranscriptEntry
 
 __all__ = ["CallReport", "DriftWarning", "ServerState", "call_async", "call_sync"]
 
@@ -54,11 +73,15 @@ class ServerState:
     """What the keeper learned about one server."""
 
     limit: int | None = None  # the context length the server reported
-    hidden: int = 0  # tokens the server counts beyond our count (a hidden prompt, another template)
+    hidden: int = 0  # tokens kept free for what the server counts beyond our count
+    measured: int = 0  # the part of ``hidden`` measured on replies (usage.prompt_tokens), not implied by refusals
+    confirmed: bool = False  # a refusal of a check sent without the implied offset bore it out
     rejects: int = 0
     recoveries: int = 0
     drift_warned: bool = False
     last_drift: int | None = None
+    kind: str | None = None  # the server software, when recognised: "vllm", "llama.cpp", "ollama", "openai"
+    drifts: deque[int] = field(default_factory=lambda: deque(maxlen=8), repr=False)  # the latest measured
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +91,7 @@ class CallReport:
     server: str
     attempts: int
     recoveries: tuple[str, ...]
-    tokens: int  # our exact count of the prompt sent last
+    tokens: int  # our exact count of the prompt sent last (0: no prompt was made)
     max_tokens: int  # the answer reserved
     server_prompt_tokens: int | None  # the server's count (usage.prompt_tokens), when it reported one
     completion_tokens: int | None  # the answer's tokens, when the server reported them
@@ -79,6 +102,8 @@ class CallReport:
     kv_share: float | None  # of the KV capacity on the GPU (model and GPU given)
     cache_bytes: int | None  # what a local model's cache really held
     seconds: float
+    server_kind: str | None = None  # the server software, when recognised
+    error: str | None = None  # why the call failed (None: it succeeded)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -98,9 +123,11 @@ class Calls:
     transcript: Any = None
     calls: int = 0
 
-    def server(self, name: str) -> ServerState:
+    def server(self, name: str, kind: str | None = None) -> ServerState:
         with self.lock:
-            return self.servers.setdefault(name, ServerState())
+            state = self.servers.setdefault(name, ServerState())
+            state.kind = state.kind or kind
+            return state
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +138,38 @@ class Options:
     backoff: float = 0.5  # seconds before the first transport retry; doubles each time
     max_backoff: float = 8.0
     conversation: str = "default"  # the transcript key
+    lease: float | None = 300.0  # seconds a stream's admission lasts without a chunk read (None: until it ends)
     answer_keys: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
+
+
+def options(**given: Any) -> Options:
+    """:class:`Options` from ``keeper.wrap(client, **given)``, every value checked."""
+    known = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigurationError(
+            f"keeper.wrap() got unknown option(s) {', '.join(map(repr, unknown))}. Fix: use "
+            f"{', '.join(sorted(known - {'answer_keys'}))}"
+        )
+
+    def number(name: str, low: float, *, whole: bool = False, none: bool = False) -> None:
+        value: Any = given.get(name, getattr(Options, name, None))
+        if value is None and none:
+            return
+        ok = not isinstance(value, bool) and isinstance(value, (int if whole else (int, float)))
+        if not ok or not math.isfinite(value) or value < low:
+            kind = "an integer" if whole else "a number"
+            raise ConfigurationError(f"keeper.wrap(..., {name}={value!r}): {name} must be {kind} >= {low}")
+
+    number("attempts", 1, whole=True)
+    number("backoff", 0)
+    number("max_backoff", 0)
+    number("lease", 0.001, none=True)
+    if not isinstance(given.get("conversation", ""), str):
+        raise ConfigurationError(
+            f"keeper.wrap(..., conversation={given['conversation']!r}): the conversation key must be a string"
+        )
+    return Options(**given)
 
 
 class Call:
@@ -127,31 +185,45 @@ class Call:
         self.messages = messages
         self.tools = list(tools) if tools else None
         self.params = params
-        self.max_tokens: int | None = next(
-            (int(params[key]) for key in options.answer_keys if params.get(key) is not None), None
-        )
+        key = next((key for key in options.answer_keys if params.get(key) is not None), None)
+        self.answer_key = key
+        self.max_tokens: int | None = int(params[key]) if key is not None else None
         self.answer = self.max_tokens if self.max_tokens is not None else self.keeper.policy.answer_tokens
-        self.server = calls.server(backend.server)
+        self.server = calls.server(backend.server, getattr(backend, "kind", None))
         self.shrink = 0  # tokens withheld after refusals without numbers, or out-of-memory errors
         self.cap: int | None = None  # prompt cap after an out-of-memory error
+        self.granted: int | None = None  # what a shrinking admission granted (prompt plus answer)
+        self.checking = False  # this attempt was sent without what refusals implied, to check it
+        self.checked = False
         self.attempts = 0
         self.recoveries: list[str] = []
         self.transport_failures: list[Failure] = []  # what the backoff reads: how many, and any Retry-After
         self.fit: Fit | None = None
         self.ticket: Ticket | None = None
+        self.entry: TranscriptEntry | None = None
         self.admission = "unlimited"
         self.started = time.perf_counter()
 
     # ---------------------------------------------------------------------------------------- steps
-    def _fit(self, withheld: int) -> Fit:
+    def begin(self) -> None:
+        """Write ahead: the caller's messages reach the transcript before anything is sent."""
+        transcript = self.calls.transcript
+        if transcript is not None:
+            inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
+            self.entry = transcript.start(inputs, conversation=self.options.conversation, tools=self.tools)
+
+    def _fit(self, withheld: int, trusted: bool = False) -> Fit:
         from ..keeper import Fit
 
         with self.calls.lock:  # a keeper's incremental state follows one fit at a time
-            fit = self.keeper.fit(self.messages, tools=self.tools, max_tokens=self.answer + withheld)
+            fit = self.keeper.fit(
+                self.messages, tools=self.tools, max_tokens=self.max_tokens, reserve=self._reserve(withheld, trusted)
+            )
         report = fit.report
         if withheld:
             answer = self.answer
-            why = f"{withheld:,} tokens withheld below the limit ({', '.join(self._withheld_reasons())})"
+            reasons = ", ".join(why for why, _ in self._reasons(trusted))
+            why = f"{withheld:,} tokens withheld below the limit ({reasons})"
             report = report.with_slots(
                 lambda slots: {**slots, "answer": answer, "withheld": withheld},
                 max_tokens=answer,
@@ -161,21 +233,72 @@ class Call:
         self.keeper.last_fit = fit
         return fit
 
-    def _withheld_reasons(self) -> list[str]:
-        reasons = []
-        if self.server.limit is not None and self.server.limit < self.keeper.limit:
-            reasons.append(f"the server's limit is {self.server.limit:,}")
-        if self.server.hidden:
-            reasons.append(f"the server counts {self.server.hidden:,} tokens we cannot see")
-        if self.shrink:
-            reasons.append(f"{self.shrink:,} after refusals")
-        if self.cap is not None:
-            reasons.append(f"prompt capped at {self.cap:,} after running out of memory")
-        return reasons or ["admission"]
+    def _reserve(self, withheld: int, trusted: bool) -> Reserve:
+        """How this fit's reserve is made up, for the keeper's errors: the answer's setting and what is withheld."""
+        from ..keeper import Reserve
 
-    def _withheld(self) -> int:
+        reasons = self._reasons(trusted) if withheld else []
+        return Reserve(
+            answer_setting=self.answer_key,
+            withheld=withheld,
+            why="; ".join(why for why, _ in reasons),
+            fix="; or ".join(dict.fromkeys(fix for _, fix in reasons)),
+        )
+
+    def _reasons(self, trusted: bool = False) -> list[tuple[str, str]]:
+        """Why tokens are withheld below the keeper's limit, each with what would free them."""
+        reasons = []
+        limit = self.server.limit
+        if limit is not None and limit < self.keeper.limit:
+            reasons.append(
+                (
+                    f"the server's own limit is {limit:,}, learned from its refusal",
+                    "raise the server's context (vLLM --max-model-len, llama.cpp --ctx-size, Ollama num_ctx): "
+                    "context_window is not what binds",
+                )
+            )
+        hidden = self._hidden(trusted)
+        if hidden:
+            reasons.append(
+                (
+                    f"the server counts {hidden:,} tokens we cannot see",
+                    "pass the server's own chat template and tokenizer, or have it add fewer tokens of its own "
+                    "(a hidden system prompt)",
+                )
+            )
+        if self.shrink and not trusted:
+            reasons.append(
+                (
+                    f"{self.shrink:,} after refusals without numbers",
+                    "set context_window to the server's context (vLLM max_model_len, llama.cpp n_ctx)",
+                )
+            )
+        if self.cap is not None:
+            reasons.append(
+                (
+                    f"prompt capped at {self.cap:,} after running out of memory",
+                    "free GPU memory (a smaller KV dtype, fewer sequences at once)",
+                )
+            )
+        if self.granted is not None:
+            reasons.append(
+                (
+                    f"admission granted {self.granted:,} tokens while other calls held the rest",
+                    "lower concurrency, or give the KV cache more room",
+                )
+            )
+        return reasons or [("admission", "lower concurrency")]
+
+    def _hidden(self, trusted: bool) -> int:
+        """The tokens the server counts beyond ours: all that was learned, or (``trusted``) only what was measured
+        on replies or borne out by a second refusal."""
+        if trusted and not self.server.confirmed:
+            return self.server.measured
+        return self.server.hidden
+
+    def _withheld(self, trusted: bool = False) -> int:
         limit = self.keeper.limit
-        effective = min(limit, self.server.limit or limit) - self.server.hidden - self.shrink
+        effective = min(limit, self.server.limit or limit) - self._hidden(trusted) - (0 if trusted else self.shrink)
         if self.cap is not None:
             effective = min(effective, self.cap + self.answer)
         return max(0, limit - effective)
@@ -183,16 +306,35 @@ class Call:
     def prepare(self) -> Generator[tuple[int, int], Ticket, Request]:
         """Fit under everything learned so far, then ask the driver for room in the ledger (it yields
         ``(tokens, minimum)`` and receives the ticket; sync and async drivers wait differently)."""
+        from ..keeper import RequestTooLarge
+
         self.attempts += 1
+        self.checking = False
+        self.granted = None
         withheld = self._withheld()
-        fit = self._fit(withheld)
+        try:
+            fit = self._fit(withheld)
+        except RequestTooLarge:
+            # What refusals implied may be wrong (a server that overstates the prompt): rather than refuse this
+            # request and every later one, send it once without that, and learn from the answer.
+            trusted = self._withheld(trusted=True)
+            if self.checked or trusted >= withheld:
+                raise
+            fit = self._fit(trusted, trusted=True)
+            self.recoveries.append(
+                f"the {withheld - trusted:,} tokens that refusals implied left no room for the request: sent "
+                "without them once, to check them"
+            )
+            self.checking = self.checked = True
+            withheld = trusted
         if self.calls.ledger is not None:
             need = fit.tokens + self.answer
             floor = fit.tokens - fit.report.history_after + self.answer  # never-trimmed parts plus the answer
             ticket = yield need, floor
             self.ticket = ticket
             if ticket.tokens < need:  # mode "shrink": fit again into what was granted
-                fit = self._fit(max(withheld, self.keeper.limit - ticket.tokens))  # prompt + answer <= granted
+                self.granted = ticket.tokens
+                fit = self._fit(max(withheld, self.keeper.limit - ticket.tokens), trusted=self.checking)
                 ticket.resize(fit.tokens + self.answer)
                 self.admission = f"shrunk to {fit.tokens + self.answer:,} tokens"
             elif ticket.waited:
@@ -209,6 +351,7 @@ class Call:
             params=params,
             stream=bool(params.get("stream")),
             finish=self.finish,
+            renew=self.renew,
         )
 
     def prepared(self) -> Request:
@@ -217,7 +360,8 @@ class Call:
         ask = _advance(steps, None)
         while not isinstance(ask, Request):
             assert self.calls.ledger is not None
-            ask = _advance(steps, self.calls.ledger.acquire(ask[0], minimum=ask[1], label=self._label()))
+            ticket = self.calls.ledger.acquire(ask[0], minimum=ask[1], label=self._label(), lease=self._lease())
+            ask = _advance(steps, ticket)
         return ask
 
     async def prepared_async(self) -> Request:
@@ -227,9 +371,16 @@ class Call:
         ask = await asyncio.to_thread(_advance, steps, None)
         while not isinstance(ask, Request):
             assert self.calls.ledger is not None
-            ticket = await self.calls.ledger.acquire_async(ask[0], minimum=ask[1], label=self._label())
+            ticket = await self.calls.ledger.acquire_async(
+                ask[0], minimum=ask[1], label=self._label(), lease=self._lease()
+            )
             ask = await asyncio.to_thread(_advance, steps, ticket)
         return ask
+
+    def _lease(self) -> float | None:
+        """A stream's admission is a lease (it may be kept and never read); a plain call gives its tokens back
+        when it returns or raises."""
+        return self.options.lease if self.params.get("stream") else None
 
     def _label(self) -> str:
         return f"{self.backend.server} call {self.calls.calls + 1}"
@@ -238,6 +389,12 @@ class Call:
         if self.ticket is not None:
             self.ticket.release()
             self.ticket = None
+
+    def renew(self) -> None:
+        """A sign of life (a stream chunk): the admission's lease starts again."""
+        ticket = self.ticket
+        if ticket is not None:
+            ticket.renew()
 
     def failed(self, exc: BaseException) -> None:
         """Learn from the failure and raise what the retry loop acts on: a ProviderError to retry, or the
@@ -254,28 +411,38 @@ class Call:
         sent = fit.tokens if fit is not None else 0
         if failure.kind == "context":
             before = self._withheld()
+            bounded = ""
             with self.calls.lock:
-                self.server.rejects += 1
+                server = self.server
+                server.rejects += 1
+                server.kind = server.kind or kind_of_error(failure.message)
                 if failure.limit is not None:
-                    self.server.limit = failure.limit
-                if failure.prompt_tokens is not None:
-                    self.server.hidden = max(self.server.hidden, failure.prompt_tokens - sent)
+                    server.limit = failure.limit
+                if failure.prompt_tokens is not None and failure.prompt_tokens > sent:
+                    implied = failure.prompt_tokens - sent
+                    # Sanity: a server that hides more than half of its own context is more likely miscounting.
+                    most = (server.limit or self.keeper.limit) // 2
+                    if implied > most:
+                        bounded = f", bounded to {most:,} (half the server's limit)"
+                    server.hidden = max(server.hidden, min(implied, most))
+                    if self.checking:
+                        server.confirmed = True  # refused without the offset too: it holds
                 if failure.excess and failure.limit is None:
                     # Only the overshoot is known: the server's limit is at most what we sent less that.
-                    self.server.limit = min(self.server.limit or self.keeper.limit, sent - failure.excess)
+                    server.limit = min(server.limit or self.keeper.limit, sent - failure.excess)
             if self._withheld() <= before:  # nothing new learned: step down, further each time
                 step = max(64, self.keeper.limit // 20)
                 self.shrink = max(step, 2 * self.shrink)
             self.recoveries.append(
                 f"refused for length ({sent:,} tokens sent; server said limit {failure.limit}, prompt "
-                f"{failure.prompt_tokens}): refit {self._withheld():,} tokens below the limit"
+                f"{failure.prompt_tokens}{bounded}): refit {self._withheld():,} tokens below the limit"
             )
             return ContextLengthExceeded(
                 f"the server refused the prompt as too long after {self.attempts} attempt(s): we sent {sent:,} "
                 f"tokens with {self.answer:,} reserved for the answer; the server reported a limit of "
                 f"{failure.limit} and a prompt of {failure.prompt_tokens} tokens. Fix: set context_window to the "
-                "server's max_model_len (or n_ctx), lower max_tokens, or let more attempts run (attempts=...). "
-                f"Server said: {failure.message[:300]}",
+                f"server's max_model_len (or n_ctx), lower {self.answer_key or 'max_tokens'}, or let more attempts "
+                f"run (attempts=...). Server said: {failure.message[:300]}",
                 limit=failure.limit,
                 prompt_tokens=failure.prompt_tokens,
                 report=report,
@@ -294,8 +461,8 @@ class Call:
         self.recoveries.append(f"transport error: {failure.message[:120]}")
         self.transport_failures.append(failure)
         return TransportError(
-            f"the call failed after {self.attempts} attempt(s): {failure.message[:300]}. Fix: check the server, "
-            "raise attempts=... or the client's timeout",
+            f"the call failed after {self.attempts} attempt(s): {failure.message[:300].rstrip('.')}. Fix: check the "
+            "server, raise attempts=... or the client's timeout",
             report=report,
             attempts=self.attempts,
         )
@@ -315,37 +482,35 @@ class Call:
             self.finish(reply)
         return reply.result
 
-    def finish(self, reply: Reply) -> None:
-        """The call's end (for a stream: when it was consumed or closed): learn, report, record."""
+    def finish(self, reply: Reply) -> BaseException | None:
+        """The call's end (for a stream: when it was consumed, closed, collected or broke): learn, report,
+        record. Returns the error to raise for a reply that failed (a stream that broke after its first chunk)."""
         self._release()
+        if reply.server_kind is not None:
+            self.server.kind = reply.server_kind
+        if reply.error is not None:
+            return self._broke(reply)
         fit = self.fit
         assert fit is not None
         drift = None
         if reply.prompt_tokens is not None:
             drift = reply.prompt_tokens - fit.tokens
             with self.calls.lock:
-                self.server.last_drift = drift
-                if drift > self.server.hidden:
-                    self.server.hidden = drift  # the server sees tokens we do not: keep room for them
-                warn = drift != 0 and not self.server.drift_warned
+                server = self.server
+                server.last_drift = drift
+                # Measured: what the server counts beyond ours is this (the latest few, for templates whose
+                # difference varies); it replaces whatever a refusal implied, which may have been wrong.
+                server.drifts.append(drift)
+                server.measured = max(0, *server.drifts)
+                server.hidden = server.measured
+                server.confirmed = False
+                if server.limit is not None and reply.prompt_tokens > server.limit:
+                    server.limit = None  # it took more than the limit a refusal gave: that limit was wrong
+                warn = drift != 0 and not server.drift_warned
                 if warn:
-                    self.server.drift_warned = True
+                    server.drift_warned = True
             if warn:
-                counted = (
-                    f"{self.backend.server} counted {reply.prompt_tokens:,} prompt tokens where the keeper counted "
-                    f"{fit.tokens:,} ({drift:+,})."
-                )
-                if drift > 0:
-                    advice = (
-                        f" Later calls keep {drift:,} tokens free for the difference. Fix: pass the server's own "
-                        "chat template (chat_template=...) and tokenizer"
-                    )
-                else:  # fewer than sent: a server that cuts prompts silently (Ollama does, past num_ctx)
-                    advice = (
-                        " The server may have cut the prompt without saying so. Fix: set context_window to the "
-                        "server's context (Ollama: num_ctx), and pass its own chat template and tokenizer"
-                    )
-                warnings.warn(counted + advice, DriftWarning, stacklevel=_caller_level())
+                self._warn_drift(fit, reply.prompt_tokens, drift)
         if self.recoveries:
             with self.calls.lock:
                 self.server.recoveries += 1
@@ -356,8 +521,56 @@ class Call:
         monitor = getattr(self.keeper, "monitor", None)
         if monitor is not None:
             monitor.request_done(label=f"call {self.calls.calls}")
+        return None
 
-    def _report(self, reply: Reply | None, drift: int | None) -> CallReport:
+    def _warn_drift(self, fit: Fit, counted: int, drift: int) -> None:
+        text = (
+            f"{self.backend.server} counted {counted:,} prompt tokens where the keeper counted {fit.tokens:,} "
+            f"({drift:+,})."
+        )
+        if drift > 0:
+            advice = (
+                f" Later calls keep {drift:,} tokens free for the difference. Fix: pass the server's own chat "
+                "template (chat_template=...) and tokenizer"
+            )
+        else:
+            last = fit.messages[-1] if fit.messages else None
+            role = last.get("role") if isinstance(last, dict) else getattr(last, "role", None)
+            strict = sum(
+                1
+                for tool in self.tools or ()
+                if isinstance(tool, dict) and isinstance(tool.get("function"), dict) and "strict" in tool["function"]
+            )
+            advice = fewer_advice(
+                self.server.kind, Drift(tokens=-drift, final_assistant=role == "assistant", strict_tools=strict)
+            )
+        warnings.warn(text + advice, DriftWarning, stacklevel=_caller_level())
+
+    def _broke(self, reply: Reply) -> BaseException | None:
+        """A stream that did not end normally: map what broke it, and record the call as failed with what had
+        arrived."""
+        error = cause = reply.error
+        if isinstance(cause, BaseException) and not isinstance(cause, StreamInterrupted):
+            failure = classify(cause)
+            if failure.kind == "transport":
+                partial = str((reply.message or {}).get("content") or "")
+                error = StreamInterrupted(
+                    f"the stream broke after {reply.chunks} chunk(s) had reached you ({len(partial):,} characters "
+                    f"of the reply): {failure.message[:300].rstrip('.')}. It was not retried, since part of the "
+                    "reply had been passed on; the call is recorded as failed with that part. Fix: send the request "
+                    "again (keeper.transcript keeps it), check the server and the network, or raise the client's "
+                    "timeout",
+                    partial=partial,
+                    chunks=reply.chunks,
+                    report=self.fit.report if self.fit is not None else None,
+                    attempts=self.attempts,
+                    cause=cause,
+                )
+        self.keeper.last_call = self._report(reply, None, error)
+        self._record(reply, error)
+        return error if isinstance(error, BaseException) else None
+
+    def _report(self, reply: Reply | None, drift: int | None, error: BaseException | str | None = None) -> CallReport:
         fit = self.fit
         tokens = fit.tokens if fit is not None else 0
         kv_bytes, share = self.keeper.kv_bytes(tokens + self.answer)
@@ -376,35 +589,43 @@ class Call:
             kv_share=share,
             cache_bytes=reply.cache_bytes if reply is not None else None,
             seconds=time.perf_counter() - self.started,
+            server_kind=self.server.kind,
+            error=None if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}"),
         )
 
     def error(self, exc: BaseException) -> None:
-        """The call failed for good: record it (with the last fit) and free its admission."""
+        """The call failed for good (a fit that cannot fit included): record it and free its admission."""
         self._release()
-        if self.fit is not None:
-            self.keeper.last_call = self._report(None, None)
-        self._record(None, exc)
+        try:
+            self.keeper.last_call = self._report(None, None, exc)
+        finally:
+            self._record(None, exc)
 
-    def _record(self, reply: Reply | None, exc: BaseException | None) -> None:
+    def _record(self, reply: Reply | None, exc: BaseException | str | None) -> None:
         with self.calls.lock:
             self.calls.calls += 1
         transcript = self.calls.transcript
-        if transcript is None or self.fit is None:
+        if transcript is None:
             return
-        transcript.add(
-            self.messages,
-            self.fit,
-            conversation=self.options.conversation,
-            tools=self.tools,
-            received=reply.message if reply is not None else None,
-            usage=(
+        details: dict[str, Any] = {
+            "received": reply.message if reply is not None else None,
+            "usage": (
                 {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens}
                 if reply is not None and reply.prompt_tokens is not None
                 else None
             ),
-            error=exc,
-            attempts=self.attempts,
-        )
+            "error": exc,
+            "attempts": self.attempts,
+        }
+        try:
+            if self.entry is not None:
+                transcript.end(self.entry, self.fit, **details)
+            else:
+                inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
+                transcript.add(inputs, self.fit, conversation=self.options.conversation, tools=self.tools, **details)
+        except Exception:
+            # The inputs were written ahead; what failed is the end of the entry. The caller's call stands.
+            log.exception("could not complete call %s in the transcript", self.entry.call if self.entry else "?")
 
     @staticmethod
     def _log(fit: Fit, report: CallReport) -> None:
@@ -460,6 +681,7 @@ def call_sync(call: Call) -> Any:
     """Run ``call`` to its end, retrying per the recovery rules."""
     import tenacity
 
+    call.begin()
     try:
         for attempt in _retrying(call, tenacity.Retrying):
             with attempt:
@@ -467,6 +689,8 @@ def call_sync(call: Call) -> Any:
                 try:
                     reply = call.backend.complete(request)
                     if inspect.isawaitable(reply):
+                        if inspect.iscoroutine(reply):
+                            reply.close()  # never awaited: say so once, here, not as a warning at exit
                         raise TypeError("this backend is async: wrap an async client or use the async call")
                 except BaseException as exc:
                     call.failed(exc)
@@ -478,10 +702,11 @@ def call_sync(call: Call) -> Any:
 
 
 async def call_async(call: Call) -> Any:
-    """The async :func:`call_sync`: the fit and admission run on a worker thread, the backend on the loop."""
+    """The async :func:`call_sync`: the first write, the fit and admission off the loop, the backend on it."""
     import tenacity
 
     CALLER_LOOP.set(asyncio.get_running_loop())
+    await asyncio.to_thread(call.begin)
     try:
         async for attempt in _retrying(call, tenacity.AsyncRetrying):
             with attempt:
@@ -499,9 +724,16 @@ async def call_async(call: Call) -> Any:
     raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
 
+_FIRST_USE = threading.Lock()
+
+
 def calls_of(keeper: ContextKeeper) -> Calls:
-    """The shared call state of ``keeper`` (made on first use)."""
+    """The shared call state of ``keeper``, made once on first use (threads that wrap at the same moment get the
+    same state)."""
     state: Calls | None = getattr(keeper, "_calls", None)
     if state is None:
-        state = keeper._make_calls()
+        with _FIRST_USE:
+            state = getattr(keeper, "_calls", None)
+            if state is None:
+                state = keeper._make_calls()
     return state

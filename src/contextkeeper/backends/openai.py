@@ -4,25 +4,77 @@ server, Ollama).
 ``keeper.wrap(client)`` returns an object with the client's call shape: ``chat.completions.create(...)`` is
 fitted first (and awaited for the async client); ``stream=True`` returns the SDK's stream, passed through chunk by
 chunk; every other attribute is the client's own. The client is never patched.
+
+The wrapper's requests go through ``client.with_options(max_retries=0)``, a copy that shares the caller's
+connection pool: the keeper's ``attempts`` is the one retry policy, instead of the SDK's retries inside each
+attempt. Calls made through the client's other attributes keep the client's own retries.
+
+Streams. The first chunk is read before ``create`` returns, so a stream that breaks before it is retried like any
+other transport error. One that breaks later raises :class:`~contextkeeper.StreamInterrupted` (with the text so
+far) while it is read, and its call is recorded as failed. A stream ends its call, and gives back its admission,
+when it is read to the end, closed, or garbage collected unread (its lease in the ledger covers one that is kept
+but never read).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Iterator
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .base import Reply, Request, register_wrapper, reply_from, usage_of
-from .calls import Call, Options, call_async, call_sync, calls_of
+from .calls import Call, call_async, call_sync, calls_of, options
+from .servers import kind_of_reply, kind_of_url
 
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper
 
 __all__ = ["OpenAIBackend"]
 
+_NOTHING = object()  # no chunk was read ahead (an empty stream)
+
+log = logging.getLogger("contextkeeper")
+
+# Streams dropped unread are ended here, off the garbage collector: a collection may run while this very thread
+# holds the ledger's or the transcript's lock, so the finalizer only queues (SimpleQueue is safe to call there).
+_DROPPED: queue.SimpleQueue[tuple[_Collector, Any]] = queue.SimpleQueue()
+_REAPER: list[threading.Thread] = []
+_REAPER_LOCK = threading.Lock()
+
+
+def _end_dropped(block: bool) -> None:
+    while True:
+        try:
+            collector, stream = _DROPPED.get(block=block)
+        except queue.Empty:
+            return
+        try:
+            collector.end_dropped(stream)
+        except Exception:  # a closed transcript at exit, for one: nothing to raise to
+            log.exception("could not end a dropped stream's call")
+
+
+def _start_reaper() -> None:
+    with _REAPER_LOCK:
+        if not _REAPER or not _REAPER[0].is_alive():
+            thread = threading.Thread(target=_end_dropped, args=(True,), name="contextkeeper-streams", daemon=True)
+            thread.start()
+            _REAPER[:] = [thread]
+
+
+# Registered before any stream's finalizer, so it runs after them at exit (atexit is last in, first out).
+atexit.register(_end_dropped, False)
+
 
 class _Collector:
-    """Rebuilds the assistant's message and the usage from stream chunks, as they pass through."""
+    """Rebuilds the assistant's message and the usage from stream chunks, as they pass through, and ends the call
+    once (normally, closed early, dropped unread, or broken)."""
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -30,9 +82,16 @@ class _Collector:
         self.calls: dict[int, dict[str, Any]] = {}
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        self.chunks = 0  # passed on to the caller
+        self.kind: str | None = None
         self.finished = False
+        self.dropping = False  # the wrapper was collected: the reaper ends the call
 
     def add(self, chunk: Any) -> None:
+        self.chunks += 1
+        if self.chunks == 1:
+            self.kind = kind_of_reply(chunk)
+        self.request.renew()
         prompt, completion = usage_of(chunk)
         if prompt is not None:
             self.prompt_tokens, self.completion_tokens = prompt, completion
@@ -49,9 +108,11 @@ class _Collector:
                     call["name"] += part.function.name or ""
                     call["args"] += part.function.arguments or ""
 
-    def finish(self) -> None:
+    def finish(self, error: BaseException | str | None = None) -> BaseException | None:
+        """End the call (once): ``error`` None for a stream read to its end, else why it ended early. Returns the
+        error to raise instead of ``error`` (a broken stream's StreamInterrupted), if any."""
         if self.finished:
-            return
+            return None
         self.finished = True
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
         if self.calls:
@@ -59,30 +120,92 @@ class _Collector:
                 {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
                 for _, c in sorted(self.calls.items())
             ]
-        self.request.finish(
+        return self.request.finish(
             Reply(
                 result=None,
                 message=message,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
+                server_kind=self.kind,
+                error=error,
+                chunks=self.chunks,
             )
         )
 
+    def closed(self) -> None:
+        if not self.finished and not self.dropping:
+            self.finish(f"closed by the caller after {self.chunks} chunk(s), before the end of the stream")
+
+    def dropped(self, stream: Any) -> None:
+        """The wrapper's finalizer: only queue the call's end (see _DROPPED)."""
+        self.dropping = True
+        _DROPPED.put((self, stream))
+
+    def end_dropped(self, stream: Any) -> None:
+        """End the call of a stream dropped unread, and let its connection go."""
+        if not self.finished:
+            self.finish(f"the stream was dropped after {self.chunks} chunk(s), before its end")
+        close = getattr(stream, "close", None)
+        if close is not None and not inspect.iscoroutinefunction(close):
+            with contextlib.suppress(Exception):
+                close()
+
+
+def _chunks(collector: _Collector, first: Any, rest: Iterator[Any]) -> Generator[Any, None, None]:
+    """The chunks, passed through the collector. A function, not a method: it must not keep the wrapper alive."""
+    try:
+        if first is not _NOTHING:
+            collector.add(first)
+            yield first
+        for chunk in rest:
+            collector.add(chunk)
+            yield chunk
+    except GeneratorExit:
+        collector.closed()
+        raise
+    except BaseException as exc:
+        mapped = collector.finish(exc)
+        if mapped is not None and mapped is not exc:
+            raise mapped from exc
+        raise
+    collector.finish()
+
+
+async def _achunks(collector: _Collector, first: Any, rest: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
+    """:func:`_chunks` for async streams."""
+    try:
+        if first is not _NOTHING:
+            collector.add(first)
+            yield first
+        async for chunk in rest:
+            collector.add(chunk)
+            yield chunk
+    except GeneratorExit:
+        collector.closed()
+        raise
+    except BaseException as exc:
+        mapped = collector.finish(exc)
+        if mapped is not None and mapped is not exc:
+            raise mapped from exc
+        raise
+    collector.finish()
+
 
 class _Stream:
-    """The SDK's stream, passed through; the call is recorded when the stream ends or is closed."""
+    """The SDK's stream, passed through; the call ends when the stream ends, is closed or is collected."""
 
-    def __init__(self, stream: Any, collector: _Collector) -> None:
+    def __init__(self, stream: Any, first: Any, rest: Iterator[Any], collector: _Collector) -> None:
         self._stream = stream
         self._collector = collector
+        self._iterator = _chunks(collector, first, rest)
+        _start_reaper()
+        weakref.finalize(self, collector.dropped, stream)
 
     def __iter__(self) -> Iterator[Any]:
-        try:
-            for chunk in self._stream:
-                self._collector.add(chunk)
-                yield chunk
-        finally:
-            self._collector.finish()
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._iterator)
 
     def __enter__(self) -> _Stream:
         return self
@@ -92,9 +215,10 @@ class _Stream:
 
     def close(self) -> None:
         try:
+            self._iterator.close()
             self._stream.close()
         finally:
-            self._collector.finish()
+            self._collector.closed()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -103,17 +227,18 @@ class _Stream:
 class _AsyncStream:
     """The async SDK stream, passed through (see :class:`_Stream`)."""
 
-    def __init__(self, stream: Any, collector: _Collector) -> None:
+    def __init__(self, stream: Any, first: Any, rest: AsyncIterator[Any], collector: _Collector) -> None:
         self._stream = stream
         self._collector = collector
+        self._iterator = _achunks(collector, first, rest)
+        _start_reaper()
+        weakref.finalize(self, collector.dropped, stream)
 
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        try:
-            async for chunk in self._stream:
-                self._collector.add(chunk)
-                yield chunk
-        finally:
-            self._collector.finish()
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._iterator.__anext__()
 
     async def __aenter__(self) -> _AsyncStream:
         return self
@@ -123,35 +248,52 @@ class _AsyncStream:
 
     async def close(self) -> None:
         try:
+            await self._iterator.aclose()
             await self._stream.close()
         finally:
-            self._collector.finish()
+            self._collector.closed()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
 class OpenAIBackend:
-    """Sends the fitted prompt with ``chat.completions.create``."""
+    """Sends the fitted prompt with ``chat.completions.create``, the SDK's own retries off."""
 
     def __init__(self, client: Any) -> None:
-        self.create = client.chat.completions.create
+        with_options = getattr(client, "with_options", None)
+        sender = with_options(max_retries=0) if callable(with_options) else client
+        self.create = sender.chat.completions.create
         self.server = str(getattr(client, "base_url", "openai"))
+        self.kind = kind_of_url(self.server)
 
     def complete(self, request: Request) -> Reply | Awaitable[Reply]:
         result = self.create(**request.params)
         if inspect.isawaitable(result):
             return self._later(result, request)
-        return self._reply(result, request, _Stream)
+        if not request.stream:
+            return reply_from(result)
+        rest = iter(result)
+        try:
+            first = next(rest, _NOTHING)  # a break before the first chunk is retried by the call
+        except BaseException:
+            with contextlib.suppress(Exception):
+                result.close()
+            raise
+        return Reply(result=_Stream(result, first, rest, _Collector(request)), pending=True)
 
     async def _later(self, result: Awaitable[Any], request: Request) -> Reply:
-        return self._reply(await result, request, _AsyncStream)
-
-    @staticmethod
-    def _reply(result: Any, request: Request, stream: type[_Stream] | type[_AsyncStream]) -> Reply:
-        if request.stream:
-            return Reply(result=stream(result, _Collector(request)), pending=True)
-        return reply_from(result)
+        response = await result
+        if not request.stream:
+            return reply_from(response)
+        rest = response.__aiter__()
+        try:
+            first = await anext(rest, _NOTHING)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await response.close()
+            raise
+        return Reply(result=_AsyncStream(response, first, rest, _Collector(request)), pending=True)
 
 
 class _Completions:
@@ -179,11 +321,11 @@ class _Chat:
 class WrappedOpenAI:
     """An openai client whose chat completions are fitted by a keeper; everything else is the client's own."""
 
-    def __init__(self, keeper: ContextKeeper, client: Any, **options: Any) -> None:
+    def __init__(self, keeper: ContextKeeper, client: Any, **given: Any) -> None:
         self._client = client
         self._keeper = keeper
+        settings = options(**given)
         backend = OpenAIBackend(client)
-        settings = Options(**options)
         calls = calls_of(keeper)
         is_async = inspect.iscoroutinefunction(inspect.unwrap(client.chat.completions.create))
 

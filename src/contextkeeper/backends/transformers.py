@@ -18,7 +18,7 @@ from ..diagnose.profile import cache_bytes
 from ..messages import server_view
 from ..tokens.hf import detect_content_format
 from .base import Reply, Request, register_wrapper
-from .calls import Call, Options, call_sync, calls_of
+from .calls import Call, call_sync, calls_of, options
 
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper
@@ -80,7 +80,7 @@ class TransformersBackend:
         )
 
 
-def wrap_transformers(keeper: ContextKeeper, client: Any, *, tokenizer: Any = None, **options: Any) -> Any:
+def wrap_transformers(keeper: ContextKeeper, client: Any, *, tokenizer: Any = None, **given: Any) -> Any:
     """A chat callable around a local model (``tokenizer`` required) or a text-generation pipeline."""
     from .._exceptions import ConfigurationError
 
@@ -90,7 +90,7 @@ def wrap_transformers(keeper: ContextKeeper, client: Any, *, tokenizer: Any = No
     if tokenizer is None:
         raise ConfigurationError("wrapping a transformers model needs its tokenizer: keeper.wrap(model, tokenizer=tok)")
     backend = TransformersBackend(model, tokenizer, pipeline=is_pipeline)
-    settings = Options(**{"answer_keys": ("max_new_tokens", "max_tokens"), **options})
+    settings = options(**{"answer_keys": ("max_new_tokens", "max_tokens"), **given})
     calls = calls_of(keeper)
 
     def chat(messages: Any, **kwargs: Any) -> Any:
