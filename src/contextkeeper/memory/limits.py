@@ -169,14 +169,14 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 def check_fields(obj: Any) -> None:
     """Check (and normalise: ``1`` becomes ``1.0`` for a float setting) every field of a frozen dataclass that the
-    registry knows; None passes only where it is the field's default ("not set"); tuple (or list) fields are
-    checked element by element and stored as tuples."""
+    registry knows; None passes only where it is the field's default ("not set"); fields whose default is a tuple
+    take a tuple or list, checked element by element and stored as a tuple."""
     for item in dataclasses.fields(obj):
         limit = SETTINGS.get(item.name)
         value = getattr(obj, item.name)
         if limit is None or (value is None and item.default is None):
             continue
-        if isinstance(value, (tuple, list)):
+        if isinstance(item.default, tuple) and isinstance(value, (tuple, list)):  # a list field: each element
             checked: Any = tuple(limit.check(v) for v in value)
         else:
             checked = limit.check(value)
