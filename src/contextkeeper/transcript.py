@@ -839,6 +839,23 @@ SELECT blob FROM chain ORDER BY depth DESC
 """
 
 
+def _content(row: _Row) -> tuple[Any, ...]:
+    """The columns a call's row is written with and ended with, in the order both statements list them."""
+    return (
+        row.inputs,
+        row.sent,
+        row.tools,
+        row.received,
+        row.dropped,
+        row.rewritten,
+        row.report,
+        row.usage,
+        row.error,
+        row.attempts,
+        row.state,
+    )
+
+
 def _existing(found: int | None) -> int:
     if found is None:  # the insert conflicted, so the row exists: only a corrupt file gets here
         raise ContextKeeperError("the transcript file lost a row it had just refused to store twice")
@@ -960,22 +977,7 @@ class SQLiteTranscript(Transcript):
         cursor = self.db.execute(
             "INSERT INTO calls (conversation, time, inputs, sent, tools, received, dropped, rewritten, report, "
             "usage, error, attempts, state, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                row.conversation,
-                row.time,
-                row.inputs,
-                row.sent,
-                row.tools,
-                row.received,
-                row.dropped,
-                row.rewritten,
-                row.report,
-                row.usage,
-                row.error,
-                row.attempts,
-                row.state,
-                row.owner,
-            ),
+            (row.conversation, row.time, *_content(row), row.owner),
         )
         return int(cursor.lastrowid or 0)
 
@@ -984,20 +986,7 @@ class SQLiteTranscript(Transcript):
         cursor = self.db.execute(
             "UPDATE calls SET inputs = ?, sent = ?, tools = ?, received = ?, dropped = ?, rewritten = ?, "
             "report = ?, usage = ?, error = ?, attempts = ?, state = ? WHERE call = ?",
-            (
-                row.inputs,
-                row.sent,
-                row.tools,
-                row.received,
-                row.dropped,
-                row.rewritten,
-                row.report,
-                row.usage,
-                row.error,
-                row.attempts,
-                row.state,
-                row.call,
-            ),
+            (*_content(row), row.call),
         )
         if cursor.rowcount != 1:
             raise UnknownCall(f"the transcript {self.path} holds no call {row.call}")

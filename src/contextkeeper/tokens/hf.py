@@ -97,14 +97,14 @@ def _compile(source: str, name: str) -> None:
         compile_template(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(
-            f"the chat template of {name} does not compile: line {exc.lineno}: {exc.message}. Fix: correct the "
-            "template, or pass another chat_template.",
+            f"the chat template of {name} does not compile: line {exc.lineno}: {str(exc.message).rstrip('.')}. Fix: "
+            "correct the template, or pass another chat_template",
             template_message=str(exc),
         ) from exc
     except Exception as exc:  # the template's code: whatever Jinja or Python's compiler refuses in it
         raise ChatTemplateError(
             f"the chat template of {name} does not compile ({type(exc).__name__}: {exc}). Fix: correct the "
-            "template, or pass another chat_template.",
+            "template, or pass another chat_template",
             template_message=f"{type(exc).__name__}: {exc}",
         ) from exc
 
