@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,14 +101,34 @@ roles = st.sampled_from(["system", "user", "assistant", "tool", "developer", "fu
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**12), st.floats(allow_nan=False), texts)
 
 
-def _nested(depth: int, leaf: Any, *, as_list: bool) -> Any:
-    value = leaf
-    for _ in range(depth):
-        value = [value] if as_list else {"k": value}
+@dataclass(frozen=True)
+class Deep:
+    """A value nested ``depth`` levels deep, built by :func:`_built` just before the call: the examples Hypothesis
+    keeps (and prints) stay shallow, where its own printer would recurse through thousands of levels."""
+
+    depth: int
+    leaf: Any
+    as_list: bool
+
+    def build(self) -> Any:
+        value = self.leaf
+        for _ in range(self.depth):
+            value = [value] if self.as_list else {"k": value}
+        return value
+
+
+def _built(value: Any) -> Any:
+    """``value`` with every :class:`Deep` in it built (the rest is shallow, so recursion is fine here)."""
+    if isinstance(value, Deep):
+        return value.build()
+    if isinstance(value, list):
+        return [_built(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _built(v) for k, v in value.items()}
     return value
 
 
-deep = st.builds(_nested, st.integers(10, 3000), scalars, as_list=st.booleans())
+deep = st.builds(Deep, st.integers(10, 3000), scalars, st.booleans())
 json_values = st.recursive(
     scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3), max_leaves=8
 )
@@ -261,12 +282,13 @@ def _check_fit(keeper: ck.ContextKeeper, messages: Any, tools: Any, max_tokens: 
 @given(messages=message_lists, tools=tool_lists, window=st.integers(64, 4096), answer=st.integers(1, 512))
 def test_fit_gives_a_valid_fit_or_a_typed_error(messages: Any, tools: Any, window: int, answer: int) -> None:
     keeper = ck.ContextKeeper(_counter(), context_window=window)
-    _check_fit(keeper, messages, tools, answer)
+    _check_fit(keeper, _built(messages), _built(tools), answer)
 
 
 @_settings(300)
 @given(messages=message_lists, tools=tool_lists)
 def test_count_gives_a_number_or_a_typed_error(messages: Any, tools: Any) -> None:
+    messages, tools = _built(messages), _built(tools)
     before = _snapshot(messages) + _snapshot(tools)
     result = _outcome(lambda: _counter().count(messages, tools=tools), "count")
     assert _snapshot(messages) + _snapshot(tools) == before
@@ -508,4 +530,4 @@ def test_memory_planning_gives_a_plan_or_a_typed_error(
 @_random(10_000)
 @given(messages=message_lists, tools=tool_lists, window=st.integers(64, 4096), answer=st.integers(1, 512))
 def test_fit_random_run(messages: Any, tools: Any, window: int, answer: int) -> None:
-    _check_fit(ck.ContextKeeper(_counter(), context_window=window), messages, tools, answer)
+    _check_fit(ck.ContextKeeper(_counter(), context_window=window), _built(messages), _built(tools), answer)
