@@ -17,6 +17,15 @@ def test_count_conversation_example() -> None:
     assert "after one more turn" in done.stdout
 
 
+def test_many_conversations_example() -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "many_conversations.py")], capture_output=True, text=True, check=True
+    )
+    assert "turn 11 chen" in done.stdout
+    assert "conversations remembered: ana, bo, chen" in done.stdout
+    assert "after forget('bo'): ana, chen" in done.stdout
+
+
 def test_plan_gpu_example() -> None:
     done = subprocess.run([sys.executable, str(EXAMPLES / "plan_gpu.py")], capture_output=True, text=True, check=True)
     assert "vllm" in done.stdout

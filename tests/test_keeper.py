@@ -327,7 +327,7 @@ def test_a_turn_built_from_the_previous_fit_equals_one_built_from_scratch(name: 
     slow._grown = lambda *args: None  # type: ignore[method-assign]  # always rebuilt from scratch
     grown = 0
     for stop in stops[5:]:
-        sticky = fast._session.memory.get("_sticky")
+        sticky = fast._sessions.get("default").sticky
         fit = fast.fit(messages[:stop], tools=TOOLS, max_tokens=256)
         grown += sticky is not None and sticky.horizon == sticky.start
         reference = slow.fit(messages[:stop], tools=TOOLS, max_tokens=256)

@@ -307,6 +307,13 @@ def test_template_that_does_not_compile_is_refused_when_the_counter_is_built() -
         ck.ContextKeeper(str(tokenizer_dir("qwen2")), context_window=4096, chat_template="{{ messages[ }}")
 
 
+@pytest.mark.parametrize("given", ["tok/qwen3", None, 42])
+def test_a_counter_given_a_path_instead_of_a_tokenizer_says_how_to_load_one(given: Any) -> None:
+    with pytest.raises(ck.ConfigurationError, match="needs a loaded Hugging Face tokenizer") as info:
+        ck.HFChatTemplateCounter(given, chat_template=template(QWEN3))
+    assert "load_counter(path)" in str(info.value)
+
+
 def test_range_past_the_sandbox_limit_is_a_template_error() -> None:
     with pytest.raises(ck.ChatTemplateError) as info:
         with_template("{% for i in range(10**9) %}{% endfor %}").count([USER])

@@ -13,13 +13,16 @@ import bisect
 import copy
 import dataclasses
 import inspect
+import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from ._exceptions import ConfigurationError, ContextKeeperError, MessageError
+from ._memo import Memo
 from .messages import Conversation, Message, MessageLike, _group_units, _restore_conversation
 from .policy import Policy, resolve_policy
 from .strategies._turn import compact_turn
@@ -27,7 +30,7 @@ from .strategies.base import Action, FitState, Foresight, Item, LLMCall, Unit, r
 from .strategies.sliding_window import SlidingWindow
 from .tokens import TemplateLimits, TokenCounter, load_counter
 from .tokens._incremental import shared_prefix
-from .tokens.breakdown import head_counts, prompt_slots
+from .tokens.breakdown import HeadCounts, head_counts, prompt_slots
 
 __all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge", "Reserve"]
 
@@ -232,12 +235,81 @@ class _Sticky:
     last_user: int = -1
 
 
-@dataclass
-class _Session:
-    """What a keeper remembers between fits."""
+DEFAULT_CONVERSATION = "default"
 
-    turn: int = 0
-    memory: dict[str, Any] = field(default_factory=dict)
+
+@dataclass(eq=False)
+class Session:
+    """What a keeper remembers of one conversation between its fits. Each conversation has its own counters, so
+    their incremental state (the renderer's reuse, the segment counts resumed at both ends) follows this chat
+    alone, and its own lock, so fits of different conversations run side by side."""
+
+    name: str
+    counter: TokenCounter  # counts the long, growing prompt of this conversation
+    side: TokenCounter  # counts its small fixed parts (system + request, the report's slots)
+    text_tokens: Callable[[str], int]
+    text_tokens_many: Callable[[Sequence[str]], list[int]] | None
+    text_bound: Callable[[str], int | None] | None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    turn: int = 0  # fits made, failed ones included
+    horizon: float | None = None  # characters per token the last read needed (None: the policy's)
+    sticky: _Sticky | None = None  # the previous fit, re-applied first when the chat only grew
+    previous: Conversation | None = None  # the messages the previous fit validated, reused where unchanged
+    paired: tuple[tuple[Message, ...], tuple[Any, ...], list[int]] | None = None  # the last pairing check
+    head_slots: tuple[tuple[Message, ...], Any, HeadCounts | None] | None = None  # the system prompt's counts
+    dicts: Memo[int, tuple[Message, dict[str, Any] | None]] | None = None  # rewrites handed back as dicts
+    last_fit: Fit | None = None
+    memory: dict[str, Any] = field(default_factory=dict)  # the strategies' own state (FitState.memory)
+
+    @classmethod
+    def of(cls, name: str, counter: TokenCounter, *, fork: bool) -> Session:
+        """A session counting with ``counter``, or with forks of it (same tokenizer and caches, state of their
+        own) when ``fork`` is set and the counter can fork."""
+        make = getattr(counter, "fork", None)
+        main = make() if fork and callable(make) else counter
+        make = getattr(main, "fork", None)
+        side = make() if callable(make) else main
+        return cls(
+            name=name,
+            counter=main,
+            side=side,
+            text_tokens=_text_counter(main),
+            text_tokens_many=getattr(main, "text_tokens_many", None),
+            text_bound=getattr(main, "text_tokens_bound", None),
+        )
+
+
+class _Sessions:
+    """The sessions of one keeper by conversation name, the least recently used dropped beyond ``limit`` (a
+    dropped conversation's next fit is computed from scratch: slower, never different)."""
+
+    def __init__(self, counter: TokenCounter, limit: int) -> None:
+        self._counter = counter
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._by_name: OrderedDict[str, Session] = OrderedDict()
+
+    def get(self, name: str) -> Session:
+        with self._lock:
+            session = self._by_name.get(name)
+            if session is None:
+                # The default conversation counts with the keeper's own counter, as a keeper of one chat always
+                # has; every other one with forks of it.
+                session = Session.of(name, self._counter, fork=name != DEFAULT_CONVERSATION)
+                self._by_name[name] = session
+                while len(self._by_name) > self._limit:
+                    self._by_name.popitem(last=False)
+            else:
+                self._by_name.move_to_end(name)
+            return session
+
+    def drop(self, name: str) -> bool:
+        with self._lock:
+            return self._by_name.pop(name, None) is not None
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._by_name)
 
 
 class ContextKeeper:
@@ -272,6 +344,7 @@ class ContextKeeper:
         runtime: str = "vllm",
         kv_dtype: str = "auto",
         summarizer: Any = None,
+        conversations: int = 1024,
         transcript: Any = None,
         admission: Literal["wait", "shrink"] = "wait",
         admission_timeout: float = 30.0,
@@ -319,18 +392,13 @@ class ContextKeeper:
         self.policy = resolve_policy(policy, self.model.name if self.model else self.name)
         self.pipeline = self.policy.pipeline()
         self.summarizer = summarizer
-        self._text_tokens = _text_counter(self.counter)
-        self._text_tokens_many = getattr(self.counter, "text_tokens_many", None)
-        self._text_bound = getattr(self.counter, "text_tokens_bound", None)
-        # Counts of the small fixed parts (system + request, the report's slots) go to a second counter, so the
-        # main counter's incremental state follows the long prompt from fit to fit.
-        fork = getattr(self.counter, "fork", None)
-        self._side: TokenCounter = fork() if callable(fork) else self.counter
-        # A report's slots are counted on the side counter when first read, perhaps while another fit runs.
-        self._side_lock = threading.RLock()
-        self._session = _Session()
-        self._previous: Conversation | None = None
-        self.last_fit: Fit | None = None
+        if isinstance(conversations, bool) or not isinstance(conversations, int) or conversations < 1:
+            raise ConfigurationError(
+                f"conversations must be a whole number >= 1 (the sessions a keeper remembers), got {conversations!r}"
+            )
+        self.conversations = conversations
+        self._sessions = _Sessions(self.counter, conversations)
+        self.last_fit: Fit | None = None  # the latest fit of any conversation
         # Wrapped calls (see wrap): what they share, made on first use.
         self.gpu, self.concurrency, self.runtime, self.kv_dtype = gpu, concurrency, runtime, kv_dtype
         from .transcript import check_transcript
@@ -349,8 +417,7 @@ class ContextKeeper:
         """The same keeper (counter, limit, policy, summarizer) without memory of earlier fits: the next fit is
         computed from scratch, whatever this keeper fitted before."""
         clone = copy.copy(self)
-        clone._session = _Session()
-        clone._previous = None
+        clone._sessions = _Sessions(self.counter, self.conversations)
         clone.last_fit = None
         clone.last_call = None
         clone._calls = None
@@ -385,10 +452,43 @@ class ContextKeeper:
         tools: Sequence[Any] | None = None,
         max_tokens: int | None = None,
         reserve: Reserve | None = None,
+        conversation: str | None = None,
     ) -> Fit:
         """The longest prompt that fits with ``max_tokens`` reserved for the answer, keeping what matters.
-        ``reserve``: tokens to keep free beyond the answer, and why (wrapped calls pass what they learned)."""
+        ``reserve``: tokens to keep free beyond the answer, and why (wrapped calls pass what they learned).
+        ``conversation``: which chat this is (default: one implicit conversation). Each conversation has its
+        own session, so a turn of one costs what it costs alone, whatever other chats the keeper fits between;
+        fits of different conversations run in parallel."""
         started = time.perf_counter()
+        if conversation is not None and (not isinstance(conversation, str) or not conversation):
+            raise ConfigurationError(
+                f"conversation must be a non-empty string naming the chat, got {conversation!r}. Fix: pass an id "
+                "such as conversation='user-42', or leave it out for the keeper's one default conversation"
+            )
+        session = self._sessions.get(conversation or DEFAULT_CONVERSATION)
+        with session.lock:
+            fit = self._fit(session, messages, tools, max_tokens, reserve, started)
+            session.last_fit = fit
+        self.last_fit = fit
+        return fit
+
+    def sessions(self) -> list[str]:
+        """The conversations this keeper remembers, the least recently fitted first."""
+        return self._sessions.names()
+
+    def forget(self, conversation: str | None = None) -> bool:
+        """Drop what the keeper remembers of ``conversation`` (default: the default one); True if it had any."""
+        return self._sessions.drop(conversation or DEFAULT_CONVERSATION)
+
+    def _fit(
+        self,
+        session: Session,
+        messages: Sequence[MessageLike],
+        tools: Sequence[Any] | None,
+        max_tokens: int | None,
+        reserve: Reserve | None,
+        started: float,
+    ) -> Fit:
         answer = self.policy.answer_tokens if max_tokens is None else max_tokens
         if isinstance(answer, bool) or not isinstance(answer, int) or answer <= 0:
             raise ConfigurationError(f"max_tokens must be a positive integer, got {answer!r}")
@@ -406,7 +506,7 @@ class ContextKeeper:
             )
         # The counter's own copy of the schemas when it makes one: compared with the caller's once per fit, not
         # once per count.
-        freeze = getattr(self.counter, "freeze_tools", None)
+        freeze = getattr(session.counter, "freeze_tools", None)
         tool_list = (freeze(tools) if callable(freeze) else list(tools)) if tools else None
         sys_end = 0
         while sys_end < len(messages) and _role(messages[sys_end]) in ("system", "developer"):
@@ -418,10 +518,9 @@ class ContextKeeper:
         # Read history back to the horizon; when strategies (pruning, summaries) leave room and older history was
         # left unread, read further (in proportion to what the first read yielded) and fit again. The keeper
         # remembers how far it had to read.
-        memory = self._session.memory
-        per_token = float(memory.get("horizon", self.policy.horizon))
+        per_token = self.policy.horizon if session.horizon is None else session.horizon
         prompt_limit = self.limit - answer
-        sticky = self._sticky(messages, sys_end, last_user)
+        sticky = self._sticky(session, messages, sys_end, last_user)
 
         def further(tokens: int, unread: int) -> float | None:
             """How far the next read goes (characters per token), or None when this read is the fit."""
@@ -435,6 +534,7 @@ class ContextKeeper:
         try:
             for attempt in range(6):
                 result = self._fit_once(
+                    session,
                     messages,
                     roles,
                     sys_end,
@@ -453,17 +553,17 @@ class ContextKeeper:
                 per_token = result
         finally:
             # Every fit is a turn, failed or not: per-turn budgets (the summarizer's calls) start afresh.
-            self._session.turn += 1
+            session.turn += 1
         if per_token:
-            memory["horizon"] = per_token
-        self.last_fit = fit
+            session.horizon = per_token
         return fit
 
-    def _sticky(self, messages: Sequence[Any], sys_end: int, last_user: int) -> _Sticky | None:
+    @staticmethod
+    def _sticky(session: Session, messages: Sequence[Any], sys_end: int, last_user: int) -> _Sticky | None:
         """The previous fit's window start and rewrites, when ``messages`` grew from the list it fitted (the same
         objects up to its end): re-applying them first keeps the prompt's prefix stable from turn to turn, so the
         counter (and a server's prefix cache) reuse it, and a turn that still fits needs no strategy at all."""
-        previous: _Sticky | None = self._session.memory.get("_sticky")
+        previous = session.sticky
         if previous is None or previous.sys_end != sys_end or len(messages) < len(previous.inputs):
             return None
         if previous.start >= last_user:
@@ -548,6 +648,7 @@ class ContextKeeper:
 
     def _fit_once(
         self,
+        session: Session,
         messages: Sequence[MessageLike],
         roles: _LazyRoles,
         sys_end: int,
@@ -567,8 +668,8 @@ class ContextKeeper:
         else:
             horizon = self._horizon(messages, roles, sys_end, last_user, answer, per_token)
         selected = [*messages[:sys_end], *messages[horizon:]]
-        conversation = Conversation.from_messages(selected, previous=self._previous)
-        self._previous = conversation
+        conversation = Conversation.from_messages(selected, previous=session.previous)
+        session.previous = conversation
         built = self._grown(conversation, sticky, sys_end, horizon, last_user)
         if built is not None:
             system, history, request = built
@@ -599,7 +700,7 @@ class ContextKeeper:
                 return base_tokens()
             tokens = known(units)
             if tokens is None:
-                tokens = int(self.counter.count(_assemble((system, *units, request)), tools=tool_list))
+                tokens = int(session.counter.count(_assemble((system, *units, request)), tools=tool_list))
                 counted[tuple(map(id, units))] = (tuple(units), tokens)
                 if type(units) is tuple:
                     by_object[id(units)] = (units, tokens)
@@ -617,16 +718,16 @@ class ContextKeeper:
         if built is not None and history and count(history) <= prompt_limit:
             base = None
         else:
-            base = self._fixed_tokens(system, request, tool_list, prompt_limit)
+            base = self._fixed_tokens(session, system, request, tool_list, prompt_limit)
         if base is not None and base > prompt_limit:
             # An agent loop's current turn (one user message, many tool rounds) alone is over the budget: its
             # older rounds give way before the fit is refused; the user's message and the last round stay.
             turn = compact_turn(
                 request,
-                lambda r: self._side_count(_assemble((system, r)), tool_list) <= prompt_limit,
+                lambda r: self._side_count(session, _assemble((system, r)), tool_list) <= prompt_limit,
             )
             if turn is None:
-                raise self._too_large(base, answer, system, request, tool_list, reserve)
+                raise self._too_large(session, base, answer, system, request, tool_list, reserve)
             request, action = turn
             base = None
             compacted = (action,)
@@ -635,7 +736,7 @@ class ContextKeeper:
         def base_tokens() -> int:
             known = fixed[0]
             if known is None:
-                known = fixed[0] = self._side_count(_assemble((system, request)), tool_list)
+                known = fixed[0] = self._side_count(session, _assemble((system, request)), tool_list)
             return known
 
         query = "\n".join(item.text() for item in request if item.role == "user")
@@ -646,13 +747,13 @@ class ContextKeeper:
             limit=prompt_limit,
             count=count,
             peek=peek,
-            text_tokens=self._text_tokens,
-            text_tokens_many=self._text_tokens_many,
-            text_bound=self._text_bound,
+            text_tokens=session.text_tokens,
+            text_tokens_many=session.text_tokens_many,
+            text_bound=session.text_bound,
             query=query,
-            turn=self._session.turn,
+            turn=session.turn,
             actions=compacted,
-            memory=self._session.memory,
+            memory=session.memory,
         )
         initial = state.history
         for strategy, trigger in self.pipeline:
@@ -669,17 +770,26 @@ class ContextKeeper:
         # Exact when some step counted the history as it came in; None when none had to (it was clearly over the
         # budget, and tokenizing text about to be dropped would only cost time).
         before = peek(initial) if horizon <= sys_end else None
-        self._check(final, tokens, prompt_limit, system, request, messages)
+        self._check(session, final, tokens, prompt_limit, system, request, messages)
         # Only a fit that kept its guarantees is built on by the next one.
         self._remember(
-            messages, sys_end, state.history, last_user, system=system, conversation=conversation, horizon=horizon
+            session,
+            messages,
+            sys_end,
+            state.history,
+            last_user,
+            system=system,
+            conversation=conversation,
+            horizon=horizon,
         )
-        out = self._caller_format(final, conversation, sys_end, horizon, messages)
+        out = self._caller_format(session, final, conversation, sys_end, horizon, messages)
 
         def breakdown() -> tuple[dict[str, int], int | None, int]:
-            fixed_tokens = base_tokens()
-            with self._side_lock:
-                slots = self._slots(system, request, tool_list, fixed_tokens, tokens, answer)
+            # Read perhaps on another thread, while the session fits again: its lock keeps the side counter's
+            # incremental state to one count at a time.
+            with session.lock:
+                fixed_tokens = base_tokens()
+                slots = self._slots(session, system, request, tool_list, fixed_tokens, tokens, answer)
             return slots, (before - fixed_tokens) if before is not None else None, tokens - fixed_tokens
 
         report = FitReport(
@@ -701,23 +811,25 @@ class ContextKeeper:
         )
         return Fit(messages=out, tokens=tokens, report=report)
 
-    def _side_count(self, messages: Conversation, tools: list[Any] | None) -> int:
-        with self._side_lock:
-            return int(self._side.count(messages, tools=tools))
+    @staticmethod
+    def _side_count(session: Session, messages: Conversation, tools: list[Any] | None) -> int:
+        return int(session.side.count(messages, tools=tools))
 
-    def _fixed_tokens(self, system: Unit, request: Unit, tools: list[Any] | None, prompt_limit: int) -> int | None:
+    def _fixed_tokens(
+        self, session: Session, system: Unit, request: Unit, tools: list[Any] | None, prompt_limit: int
+    ) -> int | None:
         """The exact tokens of the system prompt, the request and the tools, or None when an upper bound found
         without tokenizing (the rendered prompt's UTF-8 length, for byte-level BPE) already shows they fit."""
         fixed = _assemble((system, request))
-        with self._side_lock:
-            bound = getattr(self._side, "bound", None)
-            most = bound(fixed, tools=tools) if callable(bound) else None
-            if most is not None and most <= prompt_limit:
-                return None
-            return self._side_count(fixed, tools)
+        bound = getattr(session.side, "bound", None)
+        most = bound(fixed, tools=tools) if callable(bound) else None
+        if most is not None and most <= prompt_limit:
+            return None
+        return self._side_count(session, fixed, tools)
 
+    @staticmethod
     def _remember(
-        self,
+        session: Session,
         messages: Sequence[Any],
         sys_end: int,
         history: Sequence[Unit],
@@ -728,11 +840,10 @@ class ContextKeeper:
         horizon: int = -1,
     ) -> None:
         """Keep what the next fit re-applies first: the window start and each rewrite by its source."""
-        memory = self._session.memory
         anchors = [item.origin for item in history[0] if item.origin is not None] if history else []
         # A history that extends the previous one (the very same units first: a chat that grew) adds only its new
         # units' rewrites to the previous ones.
-        previous: _Sticky | None = memory.get("_sticky")
+        previous = session.sticky
         shared = 0
         rewrites: dict[int, tuple[Message, Message]] = {}
         if previous is not None and previous.history:
@@ -744,14 +855,14 @@ class ContextKeeper:
         added = history[shared:]
         made_up = any(item.origin is None and item.source is None for unit in added for item in unit)
         if made_up or (history and not anchors):
-            memory.pop("_sticky", None)  # a summary or other unit without a source: fit from scratch next time
+            session.sticky = None  # a summary or other unit without a source: fit from scratch next time
             return
         rewrites.update(
             (id(item.source), (item.source, item.message)) for unit in added for item in unit if item.source is not None
         )
         # No history kept: the window starts at this fit's request, which the next turn keeps as history.
         start = anchors[0] if anchors else request
-        memory["_sticky"] = _Sticky(
+        session.sticky = _Sticky(
             inputs=tuple(messages),
             sys_end=sys_end,
             start=start,
@@ -814,6 +925,7 @@ class ContextKeeper:
 
     def _too_large(
         self,
+        session: Session,
         base: int,
         answer: int,
         system: Unit,
@@ -827,7 +939,7 @@ class ContextKeeper:
         answer -= withheld
         limit = self.limit - withheld
         over = base + answer - limit
-        without_tools = int(self.counter.count([i.message for i in (*system, *request)])) if tools else base
+        without_tools = int(session.side.count([i.message for i in (*system, *request)])) if tools else base
         if reserve.answer_setting:
             lower = f"lower {reserve.answer_setting}"
         elif from_policy:
@@ -858,7 +970,14 @@ class ContextKeeper:
         )
 
     def _check(
-        self, final: list[Item], tokens: int, prompt_limit: int, system: Unit, request: Unit, original: Sequence[Any]
+        self,
+        session: Session,
+        final: list[Item],
+        tokens: int,
+        prompt_limit: int,
+        system: Unit,
+        request: Unit,
+        original: Sequence[Any],
     ) -> None:
         """The guarantees of every fit; a violation is a bug, so the fit is refused."""
         problems = []
@@ -876,19 +995,20 @@ class ContextKeeper:
         if origins != sorted(origins) or len(set(origins)) != len(origins):
             problems.append("messages were reordered or repeated")
         try:
-            self._paired(tuple([item.message for item in final]))
+            self._paired(session, tuple([item.message for item in final]))
         except MessageError as exc:
             problems.append(f"the fitted conversation is not valid: {exc}")
         if problems:
             raise InvariantViolation("fit invariant broken: " + "; ".join(problems))
 
-    def _paired(self, messages: tuple[Message, ...]) -> None:
+    @staticmethod
+    def _paired(session: Session, messages: tuple[Message, ...]) -> None:
         """Raise as ``Conversation.from_messages(messages)`` would when tool calls and results do not pair up.
 
         The messages are validated Message objects, so the check is their grouping into units. Units of the
         previous fit's prompt that lie in the prefix this one shares with it (the very same objects) are
         grouped already; grouping resumes at the last of them, which may have grown."""
-        known = self._session.memory.get("_paired")
+        known = session.paired
         start, prefix = 0, ()
         if known is not None:
             old, units, starts = known
@@ -897,10 +1017,16 @@ class ContextKeeper:
             if shared and last >= 0:
                 start, prefix = starts[last], units[:last]
         grouped = prefix + _group_units(messages, start)
-        self._session.memory["_paired"] = (messages, grouped, [unit.start for unit in grouped])
+        session.paired = (messages, grouped, [unit.start for unit in grouped])
 
     def _caller_format(
-        self, final: list[Item], conversation: Conversation, sys_end: int, horizon: int, original: Sequence[Any]
+        self,
+        session: Session,
+        final: list[Item],
+        conversation: Conversation,
+        sys_end: int,
+        horizon: int,
+        original: Sequence[Any],
     ) -> list[Any]:
         # ``conversation`` holds the caller's messages [:sys_end] and [horizon:], in that order.
         shift = sys_end - horizon
@@ -920,23 +1046,18 @@ class ContextKeeper:
                 else:
                     out.append(item.message)
             else:
-                out.append(self._new_dict(item.message) if dicts else item.message)
+                out.append(self._new_dict(session, item.message) if dicts else item.message)
         return out
 
-    def _new_dict(self, message: Message) -> dict[str, Any]:
+    @staticmethod
+    def _new_dict(session: Session, message: Message) -> dict[str, Any]:
         """``message.to_dict()``: a new dict every time (the caller may change it), copied from a remembered one
         when every value is an immutable scalar (a cleared tool result, a marker), which is cheaper."""
-        cache = self._session.memory.get("_dicts")
+        cache = session.dicts
         if cache is None:  # a Memo: bounded, with every other cache, by the shared byte budget
-            import sys
-
-            from ._memo import Memo
-
             # The entry holds the message (a rewrite, counted where the strategies keep it) and a flat dict of it
             # (new, its strings the message's own).
-            cache = self._session.memory["_dicts"] = Memo(
-                "keeper.dicts", sizer=lambda key, entry: sys.getsizeof(entry[1]) + 128
-            )
+            cache = session.dicts = Memo("keeper.dicts", sizer=lambda key, entry: sys.getsizeof(entry[1]) + 128)
         entry = cache.get(id(message))
         if entry is None or entry[0] is not message:
             data = message.to_dict()
@@ -945,25 +1066,25 @@ class ContextKeeper:
             return data
         return dict(entry[1]) if entry[1] is not None else message.to_dict()
 
+    @staticmethod
     def _slots(
-        self, system: Unit, request: Unit, tools: list[Any] | None, base: int, tokens: int, answer: int
+        session: Session, system: Unit, request: Unit, tools: list[Any] | None, base: int, tokens: int, answer: int
     ) -> dict[str, int]:
         """Tokens per slot in prompt order (:func:`~contextkeeper.tokens.breakdown.prompt_slots`, the model
         ``breakdown`` and the CLI's ``count`` use too), then the answer. Only the small lists are counted."""
         head = [i.message for i in system]
         # The system prompt's own counts: taken once while it and the tools stay the same objects (the entry
         # holds them, so their ids are not reused).
-        known = self._session.memory.get("_head_slots")
+        known = session.head_slots
         if (
             known is None
             or known[1] is not tools
             or len(known[0]) != len(head)
             or shared_prefix(known[0], head) != len(head)
         ):
-            known = (tuple(head), tools, head_counts(self._side.count, head, tools))
-            self._session.memory["_head_slots"] = known
+            known = session.head_slots = (tuple(head), tools, head_counts(session.side.count, head, tools))
         asked = [i.message for i in request]
-        slots = prompt_slots(self._side.count, head, asked, tools, total=tokens, base=base, head=known[2])
+        slots = prompt_slots(session.side.count, head, asked, tools, total=tokens, base=base, head=known[2])
         return {**slots, "answer": answer}
 
     def count(self, messages: Sequence[MessageLike], *, tools: Sequence[Any] | None = None) -> int:

@@ -137,7 +137,7 @@ class Options:
     attempts: int = 4  # calls per request, the first included
     backoff: float = 0.5  # seconds before the first transport retry; doubles each time
     max_backoff: float = 8.0
-    conversation: str = "default"  # the transcript key
+    conversation: str = "default"  # the keeper's session for these calls, and their transcript key
     lease: float | None = 300.0  # seconds a stream's admission lasts without a chunk read (None: until it ends)
     answer_keys: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
 
@@ -165,9 +165,9 @@ def options(**given: Any) -> Options:
     number("backoff", 0)
     number("max_backoff", 0)
     number("lease", 0.001, none=True)
-    if not isinstance(given.get("conversation", ""), str):
+    if not isinstance(given.get("conversation", "-"), str) or not given.get("conversation", "-"):
         raise ConfigurationError(
-            f"keeper.wrap(..., conversation={given['conversation']!r}): the conversation key must be a string"
+            f"keeper.wrap(..., conversation={given['conversation']!r}): the conversation key must be a non-empty string"
         )
     return Options(**given)
 
@@ -215,10 +215,14 @@ class Call:
     def _fit(self, withheld: int, trusted: bool = False) -> Fit:
         from ..keeper import Fit
 
-        with self.calls.lock:  # a keeper's incremental state follows one fit at a time
-            fit = self.keeper.fit(
-                self.messages, tools=self.tools, max_tokens=self.max_tokens, reserve=self._reserve(withheld, trusted)
-            )
+        # The conversation's own session: its fits follow one another, other conversations fit alongside.
+        fit = self.keeper.fit(
+            self.messages,
+            tools=self.tools,
+            max_tokens=self.max_tokens,
+            reserve=self._reserve(withheld, trusted),
+            conversation=self.options.conversation,
+        )
         report = fit.report
         if withheld:
             answer = self.answer

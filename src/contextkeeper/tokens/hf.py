@@ -13,7 +13,7 @@ import jinja2
 import jinja2.meta
 import jinja2.nodes
 
-from .._exceptions import ChatTemplateError, CountingError
+from .._exceptions import ChatTemplateError, ConfigurationError, CountingError
 from .._memo import Memo, data_size, memoize
 from ..messages import (
     ContentPart,
@@ -62,8 +62,10 @@ def detect_content_format(source: str) -> Literal["string", "openai"]:
     return "string"
 
 
+@memoize("hf.template_variables", sizer=lambda key, names: 2 * len(key[0]) + 64 * len(names) + 256)
 def _template_variables(source: str) -> frozenset[str]:
-    """Names a template reads from its context (``messages``, ``tools``, ``bos_token``, …)."""
+    """Names a template reads from its context (``messages``, ``tools``, ``bos_token``, …); parsed once per
+    source, as a counter's forks (a keeper's side counter, one per conversation) read the same template."""
     try:
         ast = _parse(source)
     except jinja2.TemplateSyntaxError:
@@ -166,6 +168,13 @@ class HFChatTemplateCounter:
         incremental: bool = True,
         template_limits: TemplateLimits | None = None,
     ) -> None:
+        if not callable(getattr(tokenizer, "encode", None)) or not hasattr(tokenizer, "special_tokens_map"):
+            # A path here would fail only at the first count, deep in a render.
+            raise ConfigurationError(
+                f"HFChatTemplateCounter needs a loaded Hugging Face tokenizer, got {type(tokenizer).__name__} "
+                f"{str(tokenizer)[:80]!r}. Fix: load_counter(path) or ContextKeeper(tokenizer=path) for a folder, "
+                "file or hub id, or pass transformers.AutoTokenizer.from_pretrained(path)"
+            )
         self.tokenizer = tokenizer
         self.template_limits = limits_of(template_limits)
         self.name = name or str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
@@ -455,20 +464,16 @@ class HFChatTemplateCounter:
 
     def fork(self) -> HFChatTemplateCounter:
         """A counter with the same tokenizer and settings and incremental state of its own, for counts that should
-        not disturb this one's (small side counts between counts of one long, growing prompt). The two share
-        their cache of token counts by piece text, so text either one counted is not tokenized again."""
-        clone = HFChatTemplateCounter(
-            self.tokenizer,
-            chat_template=self._templates if isinstance(self._templates, str) else None,
-            template_kwargs=self.template_kwargs,
-            view=self.view,
-            content_format=self.content_format,
-            media_cost=self.media_cost,
-            name=self.name,
-            incremental=self.incremental,
-            template_limits=self.template_limits,
-        )
-        if self._pieces is not None and clone._pieces is not None and self._pieces.fast and clone._pieces.fast:
+        not disturb this one's (small side counts between counts of one long, growing prompt; one conversation
+        of many). The two share their cache of token counts by piece text, so text either one counted is not
+        tokenized again, and their template-ready views. Nothing is compiled or verified again."""
+        clone = copy.copy(self)
+        clone._lock = threading.Lock()
+        clone._last_view = ((), [], [])
+        clone._last_conversation = None
+        clone._tools = None
+        clone._renderers = {}
+        if self._pieces is not None:
             clone._pieces = self._pieces.fork()
         return clone
 
