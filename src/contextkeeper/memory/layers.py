@@ -4,6 +4,9 @@ A model is the tuple of its layers. The specs built from a config describe the a
 (every token kept, no blocks, the model's dtype); a runtime profile (``runtimes.py``) turns them into the specs
 that runtime really allocates by replacing fields (block size, tokens a window holds, MLA storage, state dtypes,
 heads per GPU). ``bytes_for`` is for one sequence; sequences multiply.
+
+Every class names its own ``kind`` ("full", "sliding", ...). Runtimes look their rules up by that exact kind,
+so a subclass (``SlidingAttention`` shares ``FullAttention``'s rows) is never sized by its parent's rule.
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ class LayerSpec:
 
     kind: ClassVar[str] = "layer"
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        # The runtimes' registries are keyed by kind: an inherited one would size the new layer as its parent.
+        own = cls.__dict__.get("kind")
+        if not isinstance(own, str) or not own:
+            raise TypeError(
+                f'{cls.__name__} must declare its own layer kind (kind: ClassVar[str] = "..."); it would '
+                f"inherit {cls.kind!r} and be sized by the runtimes' rules for {cls.kind!r} layers"
+            )
+
     def bytes_for(self, tokens: int) -> int:
         """KV bytes this layer holds for one sequence of ``tokens`` tokens."""
         raise NotImplementedError
@@ -46,6 +59,12 @@ class LayerSpec:
     def bytes_per_token(self) -> int:
         """Bytes each further token adds once the sequence is long (0 for fixed-size kinds)."""
         return 0
+
+    @property
+    def row_values(self) -> tuple[int, ...]:
+        """Values in each row the KV dtype stores per token (K, then V); block types must divide them. Empty
+        for kinds whose storage is not in the KV dtype."""
+        return ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +95,10 @@ class FullAttention(LayerSpec):
     @property
     def bytes_per_token(self) -> int:
         return self.token_bytes
+
+    @property
+    def row_values(self) -> tuple[int, ...]:
+        return (self.kv_heads * self.head_dim, self.kv_heads * self.v_head_dim)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +168,10 @@ class MLAttention(LayerSpec):
     @property
     def bytes_per_token(self) -> int:
         return self.token_bytes
+
+    @property
+    def row_values(self) -> tuple[int, ...]:
+        return (self.kv_lora_rank + self.rope_dim, self.v_dim) if self.v_dim else (self.kv_lora_rank + self.rope_dim,)
 
 
 @dataclass(frozen=True, kw_only=True)
