@@ -24,7 +24,7 @@ from contextkeeper.messages import (
     TextPart,
     ToolCall,
     Unit,
-    _server_view_general,
+    _server_view_message_reference,
     raw_view,
     server_view,
     server_view_message,
@@ -389,7 +389,7 @@ def test_generated_server_view_is_consistent(messages: list[dict[str, Any]], con
     # The fast path for plain messages builds the general path's dicts, key order included.
     for message in Conversation.from_messages(messages):
         fast = server_view_message(message, content_format=content_format)  # type: ignore[arg-type]
-        assert _ordered(fast) == _ordered(_server_view_general(message, content_format))  # type: ignore[arg-type]
+        assert _ordered(fast) == _ordered(_server_view_message_reference(message, content_format=content_format))  # type: ignore[arg-type]
 
 
 def _ordered(value: Any) -> Any:
@@ -429,7 +429,7 @@ def _ordered(value: Any) -> Any:
 def test_the_server_view_fast_path_agrees_with_the_general_one(message: dict[str, Any], content_format: str) -> None:
     parsed = Message.from_dict(message)
     fast = server_view_message(parsed, content_format=content_format)  # type: ignore[arg-type]
-    assert _ordered(fast) == _ordered(_server_view_general(parsed, content_format))  # type: ignore[arg-type]
+    assert _ordered(fast) == _ordered(_server_view_message_reference(parsed, content_format=content_format))  # type: ignore[arg-type]
 
 
 _junk_value = st.one_of(

@@ -12,7 +12,8 @@ hot path), a hit in an older one moves the entry to the newest. A memo starts a 
 holds a sixteenth of the budget; when the budget is exceeded, the generation created longest ago, in any memo,
 is dropped. So what is used survives, memory is freed in sixteenths, and a memo nobody reads any more (a dropped
 keeper's) ages out first; a memo that is garbage-collected gives its bytes back at once. :class:`ReferenceLRU` is
-the slow, obvious byte-bounded LRU the memo is tested against.
+the slow, obvious byte-bounded LRU the memo is tested against. :class:`IdentityMemo` is a memo keyed by object
+identity (the caller's dicts, validated messages): each entry holds its object, so the id stays unique.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ._exceptions import ConfigurationError
 
 __all__ = [
     "CacheUsage",
+    "IdentityMemo",
     "Memo",
     "ReferenceLRU",
     "approx_size",
@@ -49,6 +51,7 @@ __all__ = [
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+T = TypeVar("T")  # the object an IdentityMemo entry is keyed by
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -526,6 +529,72 @@ class Memo(Generic[K, V]):
 
     def __repr__(self) -> str:
         return f"Memo({self.name!r}, {len(self)} entries, {self.nbytes:,} bytes)"
+
+
+class IdentityMemo(Generic[T, V]):
+    """A :class:`Memo` keyed by an object's identity: for values derived from objects that are not hashable
+    (the caller's dicts) or whose equality is not what matters (equal messages that render apart).
+
+    Each entry holds its object, so the object's ``id`` cannot be reused by another object while the entry
+    lives, and a look-up answers only for the very same object. ``fresh(obj, value)``, when given, must hold too:
+    an object changed in place since its value was made (say, no longer equal to the copy kept in the value) is
+    a miss, never a stale answer. ``sizer(obj, value)`` gives an entry's bytes (``ENTRY_OVERHEAD`` is added);
+    it may leave out the object itself where the value holds a copy of it. Thread-safe as :class:`Memo` is.
+    """
+
+    __slots__ = ("_fresh", "_memo")
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        sizer: Callable[[T, V], int],
+        fresh: Callable[[T, V], bool] | None = None,
+    ) -> None:
+        self._memo: Memo[int, tuple[T, V]] = Memo(name, sizer=lambda key, entry: sizer(entry[0], entry[1]))
+        self._fresh = fresh
+
+    @property
+    def name(self) -> str:
+        """The name :func:`cache_usage` reports this memo's bytes under."""
+        return self._memo.name
+
+    def get(self, obj: T) -> V | None:
+        """The value kept for this very object while it is still fresh, or None."""
+        entry = self._memo.get(id(obj))
+        if entry is None or entry[0] is not obj:
+            return None
+        value = entry[1]
+        if self._fresh is not None and not self._fresh(obj, value):
+            return None
+        return value
+
+    def put(self, obj: T, value: V) -> None:
+        """Remember ``value`` for ``obj`` (holding ``obj`` while the entry lives)."""
+        self._memo.put(id(obj), (obj, value))
+
+    def pop(self, obj: T) -> V | None:
+        """Forget ``obj``; its value, or None (also when the entry was another object's)."""
+        entry = self._memo.get(id(obj))
+        if entry is None or entry[0] is not obj:
+            return None
+        self._memo.pop(id(obj))
+        return entry[1]
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self._memo.clear()
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this memo holds, by its own accounting."""
+        return self._memo.nbytes
+
+    def __repr__(self) -> str:
+        return f"IdentityMemo({self.name!r}, {len(self)} entries, {self.nbytes:,} bytes)"
 
 
 _NONE: Any = object()  # stands for a None result in a memoised function's memo

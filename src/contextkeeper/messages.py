@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import json
 import re
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeAlias, overload
 
@@ -39,7 +40,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from contextkeeper._exceptions import InvalidMessage, MessageError, MissingToolResult, OrphanToolResult
-from contextkeeper._memo import Memo, data_size, same_values
+from contextkeeper._memo import IdentityMemo, data_size, same_values
 
 __all__ = [
     "MAX_DEPTH",
@@ -150,8 +151,10 @@ def _children(value: Any) -> Iterable[tuple[str | int, Any]] | None:
 
 
 def _clean(root: Any, limit: int) -> bool:
-    """Whether ``root`` holds no lone surrogate (in strings or dict keys) and nests at most ``limit`` deep. The
-    fast pass: no paths kept, strings checked without being pushed."""
+    """:func:`_clean_reference` in one pass: no paths kept, strings checked without being pushed, ASCII text
+    not searched."""
+    if type(root) is str:
+        return not _has_lone(root)
     stack = [(root, 0)]
     pop, push = stack.pop, stack.append
     while stack:
@@ -174,6 +177,25 @@ def _clean(root: Any, limit: int) -> bool:
     return True
 
 
+def _clean_reference(root: Any, limit: int) -> bool:
+    """Whether ``root`` holds no lone surrogate (in strings, or in the keys of dicts) and nests at most ``limit``
+    levels deep (see :func:`_depth`)."""
+    if _depth(root)[0] > limit:
+        return False
+    stack = [root]
+    while stack:
+        value = stack.pop()
+        if type(value) is str:
+            if _LONE.search(value):
+                return False
+            continue
+        for key, child in _children(value) or ():
+            if type(value) is dict and type(key) is str and _LONE.search(key):
+                return False
+            stack.append(child)
+    return True
+
+
 def _where(path: tuple[str | int, ...]) -> str:
     out = ""
     for item in path:
@@ -183,22 +205,53 @@ def _where(path: tuple[str | int, ...]) -> str:
     return out or "the value"
 
 
+_ENDLESS = sys.maxsize
+"""The depth :func:`_depth` gives data that contains itself (a list appended to itself): it nests without end."""
+
+
 def _depth(root: Any) -> tuple[int, str | int | None]:
     """Levels of nesting in ``root`` (containers and models, ``root`` itself included) and the key of ``root``
-    under which the deepest level lies. Iterative: any depth."""
-    deepest: tuple[int, str | int | None] = (0, None)
-    stack: list[tuple[Any, int, str | int | None]] = [(root, 1, None)]
+    under which the deepest level lies (the last such key where several tie); :data:`_ENDLESS` for data that
+    contains itself. Iterative, and each container is measured once however often it is reached, so any depth,
+    shared sub-objects and cycles all take time linear in the containers."""
+    if _children(root) is None:
+        return 0, None
+    heights: dict[int, int] = {}  # id -> levels from that container down (the objects live: root holds them)
+    open_: set[int] = set()  # containers whose levels are being measured: reaching one again is a cycle
+    top: str | int | None = None
+    # (container, whether its children are measured, the key of root it lies under)
+    stack: list[tuple[Any, bool, str | int | None]] = [(root, False, None)]
     while stack:
-        value, depth, top = stack.pop()
-        children = _children(value)
-        if children is None:
+        value, measured, under = stack.pop()
+        key = id(value)
+        if measured:
+            open_.discard(key)
+            heights[key] = 1 + max(
+                (heights[id(child)] for _, child in _children(value) or () if _children(child) is not None),
+                default=0,
+            )
             continue
-        if depth > deepest[0]:
-            deepest = (depth, top)
-        for key, child in children:
-            if _children(child) is not None:
-                stack.append((child, depth + 1, key if top is None else top))
-    return deepest
+        if key in heights:
+            continue
+        if key in open_:
+            return _ENDLESS, under
+        open_.add(key)
+        stack.append((value, True, under))
+        for name, child in _children(value) or ():
+            if _children(child) is not None and id(child) not in heights:
+                stack.append((child, False, name if value is root else under))
+    best = 0
+    for name, child in _children(root) or ():
+        if _children(child) is not None and heights[id(child)] >= best:
+            best, top = heights[id(child)], name
+    return heights[id(root)], top
+
+
+def _nesting(depth: int, limit: int) -> str:
+    """The words for data ``depth`` levels deep, over ``limit``."""
+    if depth == _ENDLESS:
+        return f"data that contains itself, so it nests without end; at most {limit} levels are allowed"
+    return f"data nested {depth} levels deep; at most {limit} are allowed"
 
 
 def _problem(root: Any, limit: int, base: tuple[str | int, ...] = ()) -> tuple[str, str, str] | None:
@@ -222,11 +275,7 @@ def _problem(root: Any, limit: int, base: tuple[str | int, ...] = ()) -> tuple[s
                 return _where((*path, key)), "an object key " + _surrogate_text(key, found.start()), _SURROGATE_FIX
             stack.append((child, (*path, key)))
     depth, top = _depth(root)
-    return (
-        _where((*base, top) if top is not None else base),
-        f"data nested {depth} levels deep; at most {limit} are allowed",
-        _DEPTH_FIX,
-    )
+    return _where((*base, top) if top is not None else base), _nesting(depth, limit), _DEPTH_FIX
 
 
 def _surrogate_text(text: str, position: int) -> str:
@@ -599,9 +648,13 @@ class Message(_Model):
     def to_dict(self) -> dict[str, Any]:
         """The message as a plain dict, exactly as it was given (unset fields omitted, explicit None kept)."""
         if self.tool_calls is None and not isinstance(self.content, list) and not self.__pydantic_extra__:
-            # Only strings and None: the same dict model_dump makes, without the serializer's cost.
+            # Only strings and None: the dict _to_dict_reference makes, without the serializer's cost.
             given = self.model_fields_set
             return {key: getattr(self, key) for key in _MESSAGE_FIELDS if key in given}
+        return self._to_dict_reference()
+
+    def _to_dict_reference(self) -> dict[str, Any]:
+        """:meth:`to_dict` by pydantic's serializer alone, for every message."""
         return self.model_dump(exclude_unset=True)
 
     @property
@@ -673,15 +726,20 @@ class _Exact:
 
 
 def _free_form(model: _Model) -> bool:
-    """Whether a validated message holds data whose order or types a template renders and Python's ``==``
-    ignores: unknown keys (anywhere) or object-valued tool-call arguments. Everything else is a typed field,
-    written in the model's own order."""
+    """:func:`_free_form_reference`, answered without a walk for most messages: text content, and tool calls
+    (if any) whose extra keys and arguments are all the walk would find."""
     if isinstance(model, Message) and not model.__pydantic_extra__ and type(model.content) is not list:
-        # Most messages: text content, and tool calls (if any) of the OpenAI shape.
         return any(
             call.__pydantic_extra__ or call.function.__pydantic_extra__ or type(call.function.arguments) is not str
             for call in model.tool_calls or ()
         )
+    return _free_form_reference(model)
+
+
+def _free_form_reference(model: _Model) -> bool:
+    """Whether a validated message holds data whose order or types a template renders and Python's ``==``
+    ignores: unknown keys (anywhere) or object-valued tool-call arguments. Everything else is a typed field,
+    written in the model's own order."""
     stack: list[_Model] = [model]
     while stack:
         item = stack.pop()
@@ -702,37 +760,25 @@ def _check_of(message: Message, snapshot: dict[str, Any]) -> dict[str, Any]:
     return _StrictSnapshot(snapshot) if _free_form(message) else snapshot
 
 
-def _parse_entry_size(key: Any, entry: tuple[object, dict[str, Any], Message]) -> int:
+def _parse_entry_size(item: dict[str, Any], entry: tuple[dict[str, Any], Message]) -> int:
     # The entry holds the caller's dict (so its id stays unique), its copy and the message. The three share their
     # strings, and the dicts are alike: twice the copy's size and the message's own objects, without walking the
     # message too (a validation costs about as much as that walk).
-    return 2 * data_size(entry[1]) + _MODEL_BYTES * (1 + len(entry[2].tool_calls or ()))
+    return 2 * data_size(entry[0]) + _MODEL_BYTES * (1 + len(entry[1].tool_calls or ()))
 
 
-class _ParseMemo:
-    """Validated messages of recently seen input dicts, so a growing chat re-validates only its new turns.
-
-    An entry is reused only for the very same dict object that still equals the copy taken when it was
-    validated (a deep comparison, cheap because the strings are shared; order- and type-true for free-form data,
-    see ``_StrictSnapshot``), so a dict changed in place is validated again. Entries live in a :class:`Memo`,
-    within the shared cache budget.
-    """
-
-    def __init__(self) -> None:
-        self._memo: Memo[int, tuple[object, dict[str, Any], Message]] = Memo("messages.parsed", sizer=_parse_entry_size)
-
-    def get(self, item: object) -> tuple[Message, dict[str, Any]] | None:
-        entry = self._memo.get(id(item))
-        if entry is None or entry[0] is not item or entry[1] != item:
-            return None
-        return entry[2], entry[1]
-
-    def put(self, item: object, snapshot: dict[str, Any], message: Message) -> None:
-        # Holding the item keeps its id from being reused by another object while the entry lives.
-        self._memo.put(id(item), (item, snapshot, message))
+def _unchanged(item: dict[str, Any], entry: tuple[dict[str, Any], Message]) -> bool:
+    # A deep comparison with the copy taken at validation, cheap because the strings are shared; order- and
+    # type-true for free-form data (see _StrictSnapshot). The snapshot's own __eq__ decides: it is on the left.
+    return bool(entry[0] == item)
 
 
-_MEMO = _ParseMemo()
+_PARSED: IdentityMemo[dict[str, Any], tuple[dict[str, Any], Message]] = IdentityMemo(
+    "messages.parsed", sizer=_parse_entry_size, fresh=_unchanged
+)
+"""Validated messages of recently seen input dicts (with the copy each was validated from), so a growing chat
+re-validates only its new turns; a dict changed in place since is validated again. Within the shared cache
+budget, reported by ``cache_usage()`` as ``messages.parsed``."""
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
@@ -742,59 +788,97 @@ class _TooDeep(Exception):
     """Raised by ``_copy`` past :data:`MAX_DEPTH`; turned into an InvalidMessage with the depth found."""
 
 
+class _Uncopyable(Exception):
+    """Raised by ``_copy`` for a value ``copy.deepcopy`` refuses (a lock, a generator, an open file)."""
+
+
 def _copy(value: Any, depth: int = 0) -> Any:
-    """``copy.deepcopy`` for JSON-shaped data (dicts with string keys, lists, scalars), several times faster;
-    anything else goes to ``copy.deepcopy``. Refuses (``_TooDeep``) data nested deeper than ``MAX_DEPTH``."""
+    """:func:`_copy_reference` for JSON-shaped data (dicts with string keys, lists, scalars), several times
+    faster; anything else goes to it. Refuses (``_TooDeep``) data nested deeper than ``MAX_DEPTH``."""
     kind = type(value)
     if kind in _SCALARS:
         return value
-    if depth >= MAX_DEPTH:
-        raise _TooDeep
     if kind is dict:
+        if depth >= MAX_DEPTH:
+            raise _TooDeep
         if all(type(key) is str for key in value):
             return {key: _copy(item, depth + 1) for key, item in value.items()}
-        return _deepcopy(value, depth)
-    if kind is list:
+    elif kind is list:
+        if depth >= MAX_DEPTH:
+            raise _TooDeep
         return [_copy(item, depth + 1) for item in value]
-    return _deepcopy(value, depth)
+    return _copy_reference(value, depth)
 
 
-def _deepcopy(value: Any, depth: int) -> Any:
-    """``copy.deepcopy`` of data that is not JSON-shaped, once its nesting is known to be within bounds."""
+def _copy_reference(value: Any, depth: int = 0) -> Any:
+    """``copy.deepcopy`` of ``value`` found ``depth`` levels down, refused (``_TooDeep``) when its nesting
+    (see :func:`_depth`) would go past :data:`MAX_DEPTH`, or (``_Uncopyable``) when it cannot be copied."""
     if depth + _depth(value)[0] > MAX_DEPTH:
         raise _TooDeep
-    return copy.deepcopy(value)
+    try:
+        return copy.deepcopy(value)
+    except Exception as exc:  # deepcopy falls back on pickling, which raises anything
+        raise _Uncopyable(exc) from None
 
 
 def _too_deep(data: Any, index: int | None) -> InvalidMessage:
     """The error for a message nested deeper than :data:`MAX_DEPTH`: where, and how deep it goes."""
     depth, top = _depth(data) if data is not None else (0, None)
-    found = f"{depth} levels deep" if depth else f"more than {MAX_DEPTH} levels deep"
+    found = _nesting(depth, MAX_DEPTH) if depth else f"data nested more than {MAX_DEPTH} levels deep"
     where = f"{_where((top,))}: " if top is not None else ""
-    return InvalidMessage(f"{where}data nested {found}; at most {MAX_DEPTH} are allowed", index=index, fix=_DEPTH_FIX)
+    return InvalidMessage(f"{where}{found}", index=index, fix=_DEPTH_FIX)
+
+
+def _uncopyable(data: Any, index: int | None, exc: _Uncopyable) -> InvalidMessage:
+    """The error for a message holding a value that cannot be copied: which key, what type, and why."""
+    where = ""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            try:
+                copy.deepcopy(value)
+            except Exception:  # the first key whose value fails is the one to name
+                where = f"{_where((key,))}: "
+                break
+    cause = exc.args[0] if exc.args else exc
+    return InvalidMessage(
+        f"{where}holds a value that cannot be copied ({type(cause).__name__}: {cause}); a message is data, and "
+        "contextkeeper copies it so that nothing you pass is shared or changed",
+        index=index,
+        fix="send the value as a string or as JSON-like data (dicts, lists, strings, numbers), or leave it out",
+    )
 
 
 def _parse_message(item: object, index: int | None) -> tuple[Message, _InputFormat, object]:
+    """:func:`_parse_message_reference`, answered from the parse memo for a dict seen before and unchanged since."""
+    if type(item) is dict:
+        known = _PARSED.get(item)
+        if known is not None:
+            return known[1], "dict", known[0]
+        parsed = _parse_message_reference(item, index)
+        check: Any = parsed[2]
+        _PARSED.put(item, (check, parsed[0]))
+        return parsed
+    return _parse_message_reference(item, index)
+
+
+def _parse_message_reference(item: object, index: int | None) -> tuple[Message, _InputFormat, object]:
     """The validated message, the input's format, and what a later call can compare the input with to know it
     is unchanged (a deep copy of a dict, the Message itself; None when there is nothing cheap to compare)."""
     if isinstance(item, Message):
         return item, "message", (_Exact(item) if _free_form(item) else item)
     fmt: _InputFormat
     if type(item) is dict:
-        known = _MEMO.get(item)
-        if known is not None:
-            return known[0], "dict", known[1]
         try:
             snapshot = _copy(item)
             message = Message.model_validate(_copy(snapshot))
         except _TooDeep:
             raise _too_deep(item, index) from None
+        except _Uncopyable as exc:
+            raise _uncopyable(item, index, exc) from None
         except ValidationError as exc:
             text, fix = _describe(exc)
             raise InvalidMessage(text, index=index, fix=fix) from None
-        snapshot = _check_of(message, snapshot)
-        _MEMO.put(item, snapshot, message)
-        return message, "dict", snapshot
+        return message, "dict", _check_of(message, snapshot)
     raw: Any = None
     try:
         if isinstance(item, Mapping):
@@ -809,6 +893,8 @@ def _parse_message(item: object, index: int | None) -> tuple[Message, _InputForm
                 raw = dataclasses.asdict(item)
             except RecursionError:
                 raise _TooDeep from None
+            except Exception as exc:  # asdict deep-copies what is not a dataclass, list or dict
+                raise _Uncopyable(exc) from None
             fmt = "object"
         else:
             raise InvalidMessage(
@@ -819,6 +905,8 @@ def _parse_message(item: object, index: int | None) -> tuple[Message, _InputForm
         data: Any = _copy(raw)
     except _TooDeep:
         raise _too_deep(raw, index) from None
+    except _Uncopyable as exc:
+        raise _uncopyable(raw, index, exc) from None
     if not isinstance(data, dict):
         raise InvalidMessage(
             f"model_dump() of {type(item).__name__} returned {type(data).__name__}, not a dict",
@@ -1283,12 +1371,16 @@ def server_view_message(
     if (
         (type(given) is str or given is None)
         and not message.__pydantic_extra__
-        and (content_format == "string" or message.role == "tool")
         and (calls := _server_calls(message.tool_calls)) is not None
     ):
-        # Strings, None and OpenAI-shaped calls (most messages): the dict the general path below builds, key
-        # order included.
-        data: dict[str, Any] = {"role": message.role, "content": given or ""}
+        # Strings, None and OpenAI-shaped calls (most messages): the dict the reference builds, key order
+        # included.
+        content: str | list[dict[str, str]]
+        if content_format == "string" or message.role == "tool":
+            content = given or ""
+        else:
+            content = [] if given is None else [{"type": "text", "text": given}]
+        data: dict[str, Any] = {"role": message.role, "content": content}
         for key in _SERVER_FIELDS:
             if key == "tool_calls":
                 if calls:
@@ -1296,11 +1388,14 @@ def server_view_message(
             elif (value := getattr(message, key)) is not None:
                 data[key] = value
         return data, []
-    return _server_view_general(message, content_format)
+    return _server_view_message_reference(message, content_format=content_format)
 
 
-def _server_view_general(message: Message, content_format: ContentFormat) -> tuple[dict[str, Any], list[ContentPart]]:
-    data = _without_none(message.to_dict())
+def _server_view_message_reference(
+    message: Message, *, content_format: ContentFormat = "string"
+) -> tuple[dict[str, Any], list[ContentPart]]:
+    """:func:`server_view_message` for every message, from pydantic's dump of it."""
+    data = _without_none(message._to_dict_reference())
     data.pop("content", None)
     texts: list[str] = []
     media: list[ContentPart] = []
