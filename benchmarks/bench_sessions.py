@@ -13,7 +13,8 @@ round-robin order, so every turn of one chat comes after a turn of every other. 
 
 The first fit of each conversation is reported apart ("first fit": cold for the keeper, though the token counts
 of piece text that forks of one counter share may be warm); the per-turn figures are over the later fits, pooled
-over the repeats (fresh keepers each time, the setups in alternating order).
+over the repeats (fresh keepers each time, the setups in alternating order). "Wall" is one pass over all the
+fits of a row; "of it in GC" the part Python's garbage collector ran (its own callbacks timed it).
 Writes docs/benchmarks.md (between markers) and prints the results.
 
     python benchmarks/bench_sessions.py [--turns 12] [--many 50] [--repeats 3] [--quick] [--no-write]
@@ -22,6 +23,7 @@ Writes docs/benchmarks.md (between markers) and prints the results.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -58,6 +60,7 @@ class Row:
     max_ms: float = 0.0
     wall_s: float = 0.0
     overflows: int = 0
+    gc_s: float = 0.0  # wall seconds the garbage collector ran during the row's fits
     notes: list[str] = field(default_factory=list)
     cold: list[float] = field(default_factory=list)  # seconds of each conversation's first fit
     later: list[float] = field(default_factory=list)  # seconds of the fits after it
@@ -69,6 +72,25 @@ class Chats:
     def __init__(self, count: int, turns: int) -> None:
         self.messages = [build(2000 + 4 * turns + 40, seed=7 + i) for i in range(count)]
         self.stops = [_requests(m, 2000)[: turns + 1] for m in self.messages]
+
+
+class _Collections:
+    """Wall seconds spent in garbage collection, from the collector's own start and stop callbacks."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        else:
+            self.total += now - self._started
+
+
+COLLECTIONS = _Collections()
 
 
 def keeper(counter: ck.HFChatTemplateCounter) -> ck.ContextKeeper:
@@ -84,7 +106,7 @@ def _fit(target: ck.ContextKeeper, messages: Messages, conversation: str | None)
 def round_robin(chats: Chats, count: int, pick: Callable[[int], tuple[ck.ContextKeeper, str | None]]) -> Row:
     """Every conversation's turns, one fit of each conversation in turn."""
     row = Row("", count)
-    started = time.perf_counter()
+    started, collected = time.perf_counter(), COLLECTIONS.total
     for turn in range(len(chats.stops[0])):
         for i in range(count):
             target, name = pick(i)
@@ -92,6 +114,7 @@ def round_robin(chats: Chats, count: int, pick: Callable[[int], tuple[ck.Context
             (row.cold if turn == 0 else row.later).append(seconds)
             row.overflows += fit.tokens + ANSWER_TOKENS > CONTEXT_WINDOW
     row.wall_s = time.perf_counter() - started
+    row.gc_s = COLLECTIONS.total - collected
     return row
 
 
@@ -113,13 +136,14 @@ def threads(chats: Chats, count: int, counter: ck.HFChatTemplateCounter) -> Row:
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    started = time.perf_counter()
+    started, collected = time.perf_counter(), COLLECTIONS.total
     pool = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
     for thread in pool:
         thread.start()
     for thread in pool:
         thread.join(timeout=600)
     row.wall_s = time.perf_counter() - started
+    row.gc_s = COLLECTIONS.total - collected
     if errors:
         raise errors[0]
     row.notes.append(
@@ -169,6 +193,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                 into.later += row.later
                 into.overflows += row.overflows
                 into.wall_s += row.wall_s / args.repeats
+                into.gc_s += row.gc_s / args.repeats
         alone = _times(pooled["own"])
         rows.append(alone)
         for _, kind in setups[1:]:
@@ -180,13 +205,14 @@ def run(args: argparse.Namespace) -> list[Row]:
 
 def table(rows: list[Row]) -> list[str]:
     out = [
-        "| setup | conversations | fits | first fit p50 | turn p50 | turn p90 | turn max | wall | overflows | notes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| setup | conversations | fits | first fit p50 | turn p50 | turn p90 | turn max | wall | of it in GC "
+        "| overflows | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         out.append(
             f"| {r.setup} | {r.conversations} | {r.fits} | {r.cold_ms:.0f} ms | {r.p50_ms:.1f} ms | {r.p90_ms:.1f} ms "
-            f"| {r.max_ms:.0f} ms | {r.wall_s:.2f} s | {r.overflows} | {'; '.join(r.notes)} |"
+            f"| {r.max_ms:.0f} ms | {r.wall_s:.2f} s | {r.gc_s:.2f} s | {r.overflows} | {'; '.join(r.notes)} |"
         )
     return out
 

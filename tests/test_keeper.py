@@ -439,7 +439,7 @@ class _Apply:
         return self.strategy.apply(state)
 
 
-def test_the_horizon_reads_old_tool_results_at_their_cleared_size() -> None:
+def test_the_horizon_reads_old_tool_results_at_their_cleared_size(monkeypatch: pytest.MonkeyPatch) -> None:
     # A long agent chat whose old tool results the default pipeline clears: the keeper reads back as far as the
     # cleared history fills the budget (one read), not as far as the raw text would.
     messages = agent_chat(120, result_words=400)
@@ -451,17 +451,19 @@ def test_the_horizon_reads_old_tool_results_at_their_cleared_size() -> None:
     blind.pipeline = Pipeline(
         tuple((_Apply(s) if isinstance(s, Foresight) else s, trigger) for s, trigger in aware.pipeline)
     )
+    from contextkeeper import engine
+
     reads: list[int] = []
+    original = engine.read
     for k in (aware, blind):
         passes = 0
-        original = k._fit_once
 
-        def counting(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+        def counting(*args: Any, **kwargs: Any) -> Any:
             nonlocal passes
             passes += 1
-            return _original(*args, **kwargs)
+            return original(*args, **kwargs)
 
-        k._fit_once = counting  # type: ignore[method-assign]
+        monkeypatch.setattr(engine, "read", counting)  # every read of history a fit makes
         fit = k.fit(messages, tools=TOOLS, max_tokens=answer)
         check_invariants(k, messages, fit, TOOLS, answer)
         reads.append(passes)

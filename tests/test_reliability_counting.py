@@ -240,6 +240,34 @@ def test_the_bound_says_which_setting_raises_it() -> None:
     )
 
 
+def test_the_time_bound_counts_the_templates_own_work_not_the_wait_or_the_collector() -> None:
+    """Under load an honest render can take seconds of wall time (other threads holding the GIL, a full garbage
+    collection of a large heap in the middle of it): the bound is the thread's CPU time less its collections."""
+    from contextkeeper.tokens import TemplateLimits
+
+    heap = [(i, str(i)) for i in range(1_500_000)]  # a collection has a large heap to walk
+    spent: list[float] = []
+
+    def pause() -> str:
+        started = time.monotonic()
+        time.sleep(0.3)  # waiting: no CPU
+        gc.collect()  # a full collection: CPU, but the collector's
+        spent.append(time.monotonic() - started)
+        return ""
+
+    # The clock is read every few hundred steps and writes: enough messages after the pause that it is.
+    source = "{% for m in messages %}{% if loop.first %}{{ pause() }}{% endif %}{{ m.content }}{% endfor %}"
+    limits = TemplateLimits(seconds=0.25)
+    counter = with_template(source, template_kwargs={"pause": pause}, template_limits=limits, incremental=False)
+    assert counter.count([USER, *[{"role": "assistant", "content": "ok"}, USER] * 600]) > 0
+    assert sum(spent) > limits.seconds  # the render took longer than its bound in wall time, and passed
+    del heap
+    busy = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(ck.TemplateLimitExceeded) as info:  # its own work is still bounded
+        with_template(busy, template_limits=TemplateLimits(seconds=0.25, steps=10**9)).count([USER])
+    assert info.value.bound == "time"
+
+
 def test_limits_are_settings_on_the_counter_and_load_counter() -> None:
     from contextkeeper.tokens import TemplateLimits
 

@@ -157,3 +157,45 @@ def test_fresh_keeps_no_conversation(counter: ck.HFChatTemplateCounter) -> None:
     keeper.fit(chat("zh", 2), max_tokens=200, conversation="x")
     assert keeper.fresh().sessions() == []
     assert keeper.sessions() == ["x"]
+
+
+class CountOnly:
+    """A custom counter with the one required method (a real tokenizer underneath)."""
+
+    def __init__(self, inner: ck.HFChatTemplateCounter) -> None:
+        self.inner = inner
+
+    def count(self, messages: Any, *, tools: Any = None, add_generation_prompt: bool = True) -> int:
+        return self.inner.count(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+
+class Able(CountOnly):
+    """The same, declaring two optional abilities: each conversation gets a fork, snippets are counted directly."""
+
+    forks = 0
+
+    def fork(self) -> Able:
+        Able.forks += 1
+        return Able(self.inner.fork())
+
+    def text_tokens(self, text: str) -> int:
+        return self.inner.text_tokens(text)
+
+
+def test_a_custom_counter_needs_only_count_and_opts_into_each_ability(counter: ck.HFChatTemplateCounter) -> None:
+    from contextkeeper.tokens import Forking, TextCounting, TokenCounter
+
+    bare, able = CountOnly(counter.fork()), Able(counter.fork())
+    assert isinstance(bare, TokenCounter)
+    assert not isinstance(bare, (Forking, TextCounting))
+    assert isinstance(able, Forking)
+    assert isinstance(able, TextCounting)
+    expected = make(counter).fit(chat("ar", 9), max_tokens=200)
+    for custom in (bare, able):
+        keeper = ContextKeeper(custom, context_window=1500, policy=make(counter).policy)
+        got = keeper.fit(chat("ar", 9), max_tokens=200, conversation="x")
+        assert outcome(got) == outcome(expected)
+        session = keeper._sessions.get("x")
+        # Snippets: the counter's own method, or two prompt counts when it has none.
+        assert session.text_tokens("مرحبا") == counter.text_tokens("مرحبا")
+    assert Able.forks == 2  # the conversation's counter and its side counter

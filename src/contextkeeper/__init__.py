@@ -7,6 +7,7 @@ produces for the messages and tools, after the preprocessing an OpenAI-compatibl
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import (
@@ -16,27 +17,33 @@ from ._exceptions import (
     ContextLengthExceeded,
     CountingError,
     InvalidMessage,
+    InvariantViolation,
     MessageError,
     MissingToolResult,
     ModelConfigError,
     OrphanToolResult,
     OutOfMemory,
+    PolicyError,
     ProviderError,
+    RequestTooLarge,
     StreamInterrupted,
     TemplateLimitExceeded,
     TokenizerNotFound,
     TransportError,
+    UnknownCall,
     UnknownGPU,
     UnknownModel,
+    UnknownSymptom,
     UnsupportedContent,
 )
 
 if TYPE_CHECKING:  # the names, for type checkers; at run time they load on first use
     from ._memo import CacheUsage, cache_bytes, cache_usage, set_cache_bytes
     from .backends import CallReport, DriftWarning
-    from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, UnknownSymptom, profile
+    from .budget import Reserve
+    from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, profile
     from .diagnose import diagnose as doctor
-    from .keeper import ContextKeeper, Fit, FitReport, InvariantViolation, RequestTooLarge, Reserve
+    from .keeper import ContextKeeper
     from .ledger import AdmissionTimeout, ExceedsCapacity, Ledger
     from .memory import (
         GPU,
@@ -53,7 +60,8 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
         recommend,
     )
     from .messages import ContentPart, Conversation, FunctionCall, Message, ToolCall, Unit, raw_view, server_view
-    from .policy import Policy, PolicyError, load_policy, register_policy_path
+    from .policy import Policy, load_policy, register_policy_path
+    from .report import Fit, FitReport
     from .tokens import (
         Breakdown,
         HFChatTemplateCounter,
@@ -81,12 +89,11 @@ _LAZY: dict[str, str] = {
     "Diagnosis": ".diagnose",
     "DriftWarning": ".backends",
     "ExceedsCapacity": ".ledger",
-    "Fit": ".keeper",
-    "FitReport": ".keeper",
+    "Fit": ".report",
+    "FitReport": ".report",
     "FunctionCall": ".messages",
     "GPU": ".memory",
     "HFChatTemplateCounter": ".tokens",
-    "InvariantViolation": ".keeper",
     "KVReport": ".memory",
     "Ledger": ".ledger",
     "Measurement": ".tokens",
@@ -99,18 +106,15 @@ _LAZY: dict[str, str] = {
     "Plan": ".memory",
     "PlanSettings": ".memory",
     "Policy": ".policy",
-    "PolicyError": ".policy",
     "ProfileReport": ".diagnose",
     "Recommendation": ".memory",
-    "RequestTooLarge": ".keeper",
-    "Reserve": ".keeper",
+    "Reserve": ".budget",
     "TemplateLimits": ".tokens",
     "TokenCounter": ".tokens",
     "ToolCall": ".messages",
     "Transcript": ".transcript",
     "TranscriptEntry": ".transcript",
     "Unit": ".messages",
-    "UnknownSymptom": ".diagnose",
     "breakdown": ".tokens",
     "cache_bytes": "._memo",
     "cache_usage": "._memo",
@@ -138,6 +142,9 @@ _ALIASES: dict[str, tuple[str, str]] = {"doctor": (".diagnose", "diagnose")}
 def __getattr__(name: str) -> Any:
     module, attribute = _ALIASES.get(name) or (_LAZY.get(name), name)
     if module is None:
+        # A submodule (``ck.messages.MAX_DEPTH``, ``ck.tokens.TextCounting``) works before anything imported it.
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module 'contextkeeper' has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), attribute)
     globals()[name] = value
@@ -207,6 +214,7 @@ __all__ = [
     "TranscriptEntry",
     "TransportError",
     "Unit",
+    "UnknownCall",
     "UnknownGPU",
     "UnknownModel",
     "UnknownSymptom",

@@ -9,11 +9,13 @@ ContextKeeperError
 │   ├── ModelConfigError           a model config that is malformed, incomplete or has an unknown layer kind
 │   ├── UnknownModel               a model name that is no file, folder, cached hub id or catalog entry
 │   ├── UnknownGPU                 a GPU name not in the catalog (.matches: the closest names)
-│   ├── UnknownSymptom             a doctor symptom that does not exist (diagnose/doctor.py)
-│   └── PolicyError                a policy file with an unknown key or value (policy.py)
-├── AdmissionTimeout               a call waited admission_timeout for KV room in the ledger (ledger.py)
-├── ExceedsCapacity                one call needs more KV tokens than the whole capacity (ledger.py)
-├── UnknownCall                    a transcript call number that was never recorded (transcript.py)
+│   ├── UnknownSymptom             a doctor symptom that does not exist
+│   └── PolicyError                a policy file with an unknown key or value, a file that is no policy
+├── RequestTooLarge                the never-trimmed parts and the answer exceed the limit that binds (.needed, .limit)
+├── InvariantViolation             a fit broke one of its guarantees (a bug in a strategy): refused, not returned
+├── AdmissionTimeout               a call waited admission_timeout for KV room in the ledger (ledger.py: its wording)
+├── ExceedsCapacity                one call needs more KV tokens than the whole capacity (ledger.py: its wording)
+├── UnknownCall                    a transcript call number that was never recorded
 ├── MessageError                   .index: the offending message's position (None: the list itself)
 │   ├── InvalidMessage             unknown role, bad content type, missing id, malformed tool call
 │   ├── OrphanToolResult           a tool result whose call id no earlier assistant message made
@@ -43,18 +45,23 @@ __all__ = [
     "ContextLengthExceeded",
     "CountingError",
     "InvalidMessage",
+    "InvariantViolation",
     "MessageError",
     "MissingToolResult",
     "ModelConfigError",
     "OrphanToolResult",
     "OutOfMemory",
+    "PolicyError",
     "ProviderError",
+    "RequestTooLarge",
     "StreamInterrupted",
     "TemplateLimitExceeded",
     "TokenizerNotFound",
     "TransportError",
+    "UnknownCall",
     "UnknownGPU",
     "UnknownModel",
+    "UnknownSymptom",
     "UnsupportedContent",
 ]
 
@@ -102,6 +109,37 @@ class UnknownModel(_WithMatches):
 
 class UnknownGPU(_WithMatches):
     """A GPU name that is not in the catalog."""
+
+
+class UnknownSymptom(_WithMatches):
+    """A symptom name the decision tree does not know; the message lists the valid ones."""
+
+
+class PolicyError(ConfigurationError):
+    """A policy that cannot be used: a file that is missing, a folder, not text or not TOML; an unknown key,
+    strategy or trigger; a setting of the wrong type or out of range."""
+
+
+class RequestTooLarge(ContextKeeperError, ValueError):
+    """The parts that are never trimmed (system prompt, tools, the new request) plus the answer do not fit.
+
+    ``needed`` is what they take with the answer, ``limit`` the limit that binds (the keeper's, less what a
+    wrapped call withheld for the server), ``withheld`` those tokens, ``fix`` what to change."""
+
+    def __init__(self, message: str, *, needed: int, limit: int, withheld: int = 0, fix: str | None = None) -> None:
+        self.needed = needed
+        self.limit = limit
+        self.withheld = withheld
+        self.fix = fix
+        super().__init__(message)
+
+
+class InvariantViolation(ContextKeeperError, AssertionError):
+    """A fit broke one of its guarantees (a bug in a strategy): the fit is refused rather than returned."""
+
+
+class UnknownCall(ContextKeeperError, LookupError):
+    """A call number that the transcript does not hold."""
 
 
 class MessageError(ContextKeeperError, ValueError):

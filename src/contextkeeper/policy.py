@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from pydantic import ConfigDict, Field, model_validator
 
-from ._exceptions import ConfigurationError
+from ._exceptions import ConfigurationError, PolicyError
 from .strategies._settings import Settings
 from .strategies.base import Always, OverBudget, Pipeline, Trigger, TurnCount, build_strategy, settings_model
 
@@ -53,11 +53,6 @@ __all__ = [
 POLICY_PATH_ENV = "CONTEXTKEEPER_POLICY_PATH"
 
 _TRIGGERS = "over_budget, always, over:F (0 < F <= 1), every:N (N >= 1), combined with | and &"
-
-
-class PolicyError(ConfigurationError):
-    """A policy that cannot be used: a file that is missing, a folder, not text or not TOML; an unknown key,
-    strategy or trigger; a setting of the wrong type or out of range."""
 
 
 class PolicyStep(Settings):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._exceptions import ConfigurationError, ContextKeeperError
+from ._exceptions import ConfigurationError, ContextKeeperError, UnknownCall
 from .messages import Message
 
 __all__ = [
@@ -54,10 +54,6 @@ Status = Literal["ok", "failed", "pending", "interrupted"]
 
 #: The error of a call that was started (its inputs stored) by a process that ended before the call did.
 INTERRUPTED = "interrupted: the process ended before the reply"
-
-
-class UnknownCall(ContextKeeperError, LookupError):
-    """A call number that the transcript does not hold."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from .._exceptions import ConfigurationError, _WithMatches
+from .._exceptions import ConfigurationError, UnknownSymptom
 from ..memory.limits import check_fields
 from ..memory.render import human
 
@@ -43,10 +43,6 @@ __all__ = [
 
 COSTS = ("none", "model", "hardware")  # cost order: free settings, then the model, then hardware
 RUNTIMES = ("transformers", "vllm", "sglang", "llama.cpp")
-
-
-class UnknownSymptom(_WithMatches):
-    """A symptom name the decision tree does not know; the message lists the valid ones."""
 
 
 # ---------------------------------------------------------------------------------------------- the tree

@@ -1,7 +1,19 @@
 """Exact token counting: the protocol, the Hugging Face and mistral-common counters, and loading."""
 
 from ._sandbox import TemplateLimits
-from .base import Measurement, MessagesLike, TokenCounter, ToolsLike
+from .base import (
+    BatchTextCounting,
+    Forking,
+    Measurement,
+    Measuring,
+    MessagesLike,
+    PromptBounding,
+    TextBounding,
+    TextCounting,
+    TokenCounter,
+    ToolFreezing,
+    ToolsLike,
+)
 from .breakdown import Breakdown, breakdown
 from .hf import HFChatTemplateCounter, detect_content_format
 from .loading import load_counter, load_hf_tokenizer
@@ -9,14 +21,21 @@ from .media import MediaCost
 from .mistral import MistralCounter
 
 __all__ = [
+    "BatchTextCounting",
     "Breakdown",
+    "Forking",
     "HFChatTemplateCounter",
     "Measurement",
+    "Measuring",
     "MediaCost",
     "MessagesLike",
     "MistralCounter",
+    "PromptBounding",
     "TemplateLimits",
+    "TextBounding",
+    "TextCounting",
     "TokenCounter",
+    "ToolFreezing",
     "ToolsLike",
     "breakdown",
     "detect_content_format",

@@ -10,8 +10,11 @@ sandbox would (none of those names is unsafe on those types), and the checks sti
 The sandbox stops a template from escaping, not from running forever or filling memory, so every render is
 also bounded (:class:`TemplateLimits`): loop iterations and calls (``steps``), characters written (``output``,
 also the largest string one expression may build, checked *before* it is built: ``'x' * 10**9``, ``~``, ``+``,
-``%``, ``|join``, ``|indent``, ``.center()``, …), call depth (``nesting``: recursive macros) and wall time
-(``seconds``: checked every few hundred steps and writes; no signals or threads, so it works on any thread).
+``%``, ``|join``, ``|indent``, ``.center()``, …), call depth (``nesting``: recursive macros) and time
+(``seconds``: the rendering thread's own CPU time less its garbage collections, checked every few hundred steps
+and writes; no signals or threads, so it works on any thread). Not wall time: under load (other threads holding
+the GIL, other processes, a full collection of a large heap) an honest render can take seconds of wall time, and
+it must not be refused for that.
 The checks are compiled into the template: our code generator wraps each loop's iterable and each output, and
 the environment intercepts calls, the string-building operators and the filters that can grow their input.
 Past a bound the render stops with :class:`TemplateLimitExceeded`, naming the bound and the setting to raise.
@@ -20,6 +23,7 @@ Past a bound the render stops with :class:`TemplateLimitExceeded`, naming the bo
 from __future__ import annotations
 
 import contextvars
+import gc
 import re
 import threading
 import time
@@ -72,7 +76,8 @@ class TemplateLimits:
 
     ``steps``: loop iterations plus calls plus items a filter materialises; ``output_chars``: characters
     written, counting each write (a macro's output counts where it is written and again where it is used), and
-    the longest string or list one expression may build; ``seconds``: wall time; ``nesting``: depth of macro
+    the longest string or list one expression may build; ``seconds``: CPU time of the rendering thread, its
+    garbage collections excluded; ``nesting``: depth of macro
     calls and recursive loops.
     """
 
@@ -102,7 +107,7 @@ _WHAT = {
     "output": "characters written",
     "size": "characters (or items) in one value it builds",
     "nesting": "levels of nested macro calls",
-    "time": "seconds of rendering",
+    "time": "seconds of rendering (CPU time)",
 }
 _SETTING = {
     "steps": "template_limits.steps",
@@ -114,6 +119,35 @@ _SETTING = {
 _CLOCK_EVERY = 256  # events (steps, writes) between two looks at the clock
 _LOOP_BATCH = 64  # loop items charged (and the clock read) at a time
 _SIZED = frozenset({list, tuple, dict, str, range})
+
+
+class _RenderClock:
+    """Seconds of CPU time the calling thread has spent outside garbage collection.
+
+    A template's time bound counts the work the template makes, not what else the process does: a full collection
+    can take a second on a large heap, and it runs in whichever thread allocated last. The collector tells us when
+    it starts and stops (``gc.callbacks``); each thread sums its own collections."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
+        now = time.thread_time()
+        local = self._local
+        if phase == "start":
+            local.started = now
+        else:
+            started = getattr(local, "started", None)
+            if started is not None:
+                local.collecting = getattr(local, "collecting", 0.0) + (now - started)
+                local.started = None
+
+    def __call__(self) -> float:
+        return time.thread_time() - getattr(self._local, "collecting", 0.0)
+
+
+_CLOCK = _RenderClock()
 
 
 class _Budget:
@@ -144,7 +178,7 @@ class _Budget:
         self.max_steps = limits.steps
         self.max_written = limits.output_chars
         self.max_depth = limits.nesting
-        self.deadline = time.monotonic() + limits.seconds
+        self.deadline = _CLOCK() + limits.seconds
 
     def exceeded(self, bound: str, detail: str = "") -> TemplateLimitExceeded:
         limit: float = {
@@ -187,7 +221,7 @@ class _Budget:
 
     def clock(self) -> None:
         self.next_clock = self.events + _CLOCK_EVERY
-        if time.monotonic() > self.deadline:
+        if _CLOCK() > self.deadline:
             raise self.exceeded("time")
 
     def size(self, n: int, what: str) -> None:

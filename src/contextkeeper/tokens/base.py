@@ -6,7 +6,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Measurement", "MessagesLike", "TokenCounter", "ToolsLike"]
+__all__ = [
+    "BatchTextCounting",
+    "Forking",
+    "Measurement",
+    "Measuring",
+    "MessagesLike",
+    "PromptBounding",
+    "TextBounding",
+    "TextCounting",
+    "TokenCounter",
+    "ToolFreezing",
+    "ToolsLike",
+]
 
 MessagesLike = Sequence[Any]
 """OpenAI-format message dicts, HF-style dicts, ``Message`` objects or a ``Conversation``."""
@@ -26,6 +38,67 @@ class TokenCounter(Protocol):
     def count(self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True) -> int:
         """The number of prompt tokens for ``messages`` and ``tools``."""
         ...
+
+
+# Optional abilities. A counter needs only ``count``; one that also has any of these gets the keeper's fast paths
+# for it (each is checked with isinstance, so a custom counter opts in by defining the method).
+
+
+@runtime_checkable
+class Measuring(Protocol):
+    """Says what a count is made of (text and media tokens, notes): ``breakdown`` and the CLI report it."""
+
+    def measure(
+        self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
+    ) -> Measurement: ...
+
+
+@runtime_checkable
+class Forking(Protocol):
+    """Makes a counter with the same tokenizer and settings and incremental state of its own: the keeper gives
+    each conversation one, and counts small side parts on another, so no count disturbs another's reuse."""
+
+    def fork(self) -> TokenCounter: ...
+
+
+@runtime_checkable
+class TextCounting(Protocol):
+    """Tokens of a snippet on its own (no template): strategies estimate what a cut or a summary leaves. Without
+    it a snippet costs two prompt counts (the text in a user message, less the empty message)."""
+
+    def text_tokens(self, text: str) -> int: ...
+
+
+@runtime_checkable
+class BatchTextCounting(Protocol):
+    """:meth:`TextCounting.text_tokens` of many snippets, tokenized in one batch."""
+
+    def text_tokens_many(self, texts: Sequence[str]) -> list[int]: ...
+
+
+@runtime_checkable
+class TextBounding(Protocol):
+    """An upper bound on a snippet's tokens found without tokenizing (None: no bound known)."""
+
+    def text_tokens_bound(self, text: str) -> int | None: ...
+
+
+@runtime_checkable
+class PromptBounding(Protocol):
+    """An upper bound on :meth:`TokenCounter.count` found by rendering alone (None: no bound known): the keeper
+    skips counting the never-trimmed parts when the bound shows they fit."""
+
+    def bound(
+        self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
+    ) -> int | None: ...
+
+
+@runtime_checkable
+class ToolFreezing(Protocol):
+    """The counter's own copy of the tool schemas, compared with the caller's once per fit rather than once per
+    count."""
+
+    def freeze_tools(self, tools: ToolsLike) -> list[dict[str, Any]] | None: ...
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._exceptions import ChatTemplateError
 from ..messages import Conversation
-from .base import MessagesLike, TokenCounter, ToolsLike
+from .base import Measuring, MessagesLike, TokenCounter, ToolsLike
 
 __all__ = ["SLOTS", "Breakdown", "HeadCounts", "breakdown", "head_counts", "prompt_slots", "split_slots"]
 
@@ -75,9 +75,8 @@ def breakdown(counter: TokenCounter, messages: MessagesLike, *, tools: ToolsLike
     end_system, start_request = split_slots(conversation)
     items = list(conversation)
     tool_list = list(tools) if tools else None
-    measure = getattr(counter, "measure", None)
-    if callable(measure):
-        measured = measure(conversation, tools=tool_list)
+    if isinstance(counter, Measuring):
+        measured = counter.measure(conversation, tools=tool_list)
         total, estimated, notes = measured.tokens, measured.estimated, tuple(measured.notes)
     else:
         total, estimated, notes = counter.count(conversation, tools=tool_list), False, ()

@@ -1,0 +1,134 @@
+"""What a keeper remembers of each conversation between its fits: a typed :class:`Session` per conversation, in
+a bounded least-recently-used list. Nothing else in the fit path keeps state from one fit to the next."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._memo import Memo
+from .messages import Conversation, Message
+from .strategies.base import Unit
+from .tokens import BatchTextCounting, Forking, TextBounding, TextCounting, TokenCounter
+from .tokens.breakdown import HeadCounts
+
+if TYPE_CHECKING:
+    from .report import Fit
+
+__all__ = ["DEFAULT_CONVERSATION", "Session", "Sessions", "Sticky"]
+
+DEFAULT_CONVERSATION = "default"
+
+
+@dataclass(frozen=True)
+class Sticky:
+    """The previous fit: the caller's messages it saw, where its history started, and its rewrites by source."""
+
+    inputs: tuple[Any, ...]
+    sys_end: int
+    start: int
+    # Each rewrite by the id of the caller's message it descends from; the entry holds that message, so the id
+    # stays unique while it is remembered.
+    rewrites: dict[int, tuple[Message, Message]]
+    # What the next fit can take as is when it reads from the same start: the validated messages it read (from
+    # ``horizon``), the system items, the fitted history (rewrites applied) and where its request began.
+    conversation: Conversation | None = None
+    horizon: int = -1
+    system: Unit = ()
+    history: tuple[Unit, ...] = ()
+    last_user: int = -1
+
+
+def _marginal(counter: TokenCounter) -> Callable[[str], int]:
+    """Tokens of a snippet for a counter without :class:`TextCounting`: what it adds to a user message."""
+
+    def count(text: str) -> int:
+        return int(counter.count([{"role": "user", "content": text}])) - int(
+            counter.count([{"role": "user", "content": ""}])
+        )
+
+    return count
+
+
+@dataclass(eq=False)
+class Session:
+    """What a keeper remembers of one conversation between its fits. Each conversation has its own counters, so
+    their incremental state (the renderer's reuse, the segment counts resumed at both ends) follows this chat
+    alone, and its own lock, so fits of different conversations run side by side."""
+
+    name: str
+    counter: TokenCounter  # counts the long, growing prompt of this conversation
+    side: TokenCounter  # counts its small fixed parts (system + request, the report's slots)
+    text_tokens: Callable[[str], int]
+    text_tokens_many: Callable[[Sequence[str]], list[int]] | None
+    text_bound: Callable[[str], int | None] | None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    turn: int = 0  # fits made, failed ones included
+    horizon: float | None = None  # characters per token the last read needed (None: the policy's)
+    sticky: Sticky | None = None  # the previous fit, re-applied first when the chat only grew
+    previous: Conversation | None = None  # the messages the previous fit validated, reused where unchanged
+    paired: tuple[tuple[Message, ...], tuple[Any, ...], list[int]] | None = None  # the last pairing check
+    head_slots: tuple[tuple[Message, ...], Any, HeadCounts | None] | None = None  # the system prompt's counts
+    dicts: Memo[int, tuple[Message, dict[str, Any] | None]] | None = None  # rewrites handed back as dicts
+    last_fit: Fit | None = None
+    memory: dict[str, Any] = field(default_factory=dict)  # the strategies' own state (FitState.memory)
+
+    @classmethod
+    def of(cls, name: str, counter: TokenCounter, *, fork: bool) -> Session:
+        """A session counting with ``counter``, or with forks of it (same tokenizer and caches, state of their
+        own) when ``fork`` is set and the counter can fork."""
+        main = counter.fork() if fork and isinstance(counter, Forking) else counter
+        side = main.fork() if isinstance(main, Forking) else main
+        return cls(
+            name=name,
+            counter=main,
+            side=side,
+            text_tokens=main.text_tokens if isinstance(main, TextCounting) else _marginal(main),
+            text_tokens_many=main.text_tokens_many if isinstance(main, BatchTextCounting) else None,
+            text_bound=main.text_tokens_bound if isinstance(main, TextBounding) else None,
+        )
+
+    def dict_memo(self) -> Memo[int, tuple[Message, dict[str, Any] | None]]:
+        """The rewrites this conversation handed back as dicts, made on first use; a :class:`Memo`, so bounded
+        with every other cache by the shared byte budget."""
+        if self.dicts is None:
+            # An entry holds the message (a rewrite, counted where the strategies keep it) and a flat dict of it.
+            self.dicts = Memo("keeper.dicts", sizer=lambda key, entry: sys.getsizeof(entry[1]) + 128)
+        return self.dicts
+
+
+class Sessions:
+    """The sessions of one keeper by conversation name, the least recently used dropped beyond ``limit`` (a
+    dropped conversation's next fit is computed from scratch: slower, never different)."""
+
+    def __init__(self, counter: TokenCounter, limit: int) -> None:
+        self._counter = counter
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._by_name: OrderedDict[str, Session] = OrderedDict()
+
+    def get(self, name: str) -> Session:
+        with self._lock:
+            session = self._by_name.get(name)
+            if session is None:
+                # The default conversation counts with the keeper's own counter, as a keeper of one chat always
+                # has; every other one with forks of it.
+                session = Session.of(name, self._counter, fork=name != DEFAULT_CONVERSATION)
+                self._by_name[name] = session
+                while len(self._by_name) > self._limit:
+                    self._by_name.popitem(last=False)
+            else:
+                self._by_name.move_to_end(name)
+            return session
+
+    def drop(self, name: str) -> bool:
+        with self._lock:
+            return self._by_name.pop(name, None) is not None
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._by_name)
