@@ -55,6 +55,20 @@ def test_other_errors_are_not_context_errors() -> None:
     assert classify(ValueError("This model's maximum context length is 8192 tokens.")).limit == 8192
 
 
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [("context", ck.ContextLengthExceeded), ("oom", ck.OutOfMemory), ("transport", ck.TransportError)],
+)
+def test_every_failure_kind_is_worded_in_one_place_with_its_fix(kind: str, error: type[Exception]) -> None:
+    from contextkeeper.backends.errors import Attempted, Failure, provider_error
+
+    failure = Failure(kind=kind, message="server said no", limit=4096, prompt_tokens=5000)  # type: ignore[arg-type]
+    made = provider_error(failure, Attempted(sent=4000, answer=100, answer_key="max_tokens", attempts=4))
+    assert type(made) is error
+    assert "after 4 attempt(s)" in str(made)
+    assert made.fix_text()  # type: ignore[attr-defined]
+
+
 # ------------------------------------------------------------------------------------------------ callables
 def test_sync_callable_keeps_its_shape(keeper: ck.ContextKeeper) -> None:
     seen: list[list[dict[str, Any]]] = []

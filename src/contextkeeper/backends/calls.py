@@ -45,7 +45,7 @@ from .._exceptions import (
     TransportError,
 )
 from .base import Backend, Reply, Request
-from .errors import Failure, classify
+from .errors import Attempted, Failure, classify, provider_error
 from .servers import Drift, fewer_advice, kind_of_error
 
 if TYPE_CHECKING:
@@ -410,8 +410,9 @@ class Call:
         raise self._learn(failure) from exc
 
     def _learn(self, failure: Failure) -> ProviderError:
+        """Learn what ``failure`` says about the server (its limit, hidden tokens) or the model (its memory),
+        note the recovery, and give the error to raise if no attempt is left (worded in :mod:`.errors`)."""
         fit = self.fit
-        report = fit.report if fit is not None else None
         sent = fit.tokens if fit is not None else 0
         if failure.kind == "context":
             before = self._withheld()
@@ -441,35 +442,20 @@ class Call:
                 f"refused for length ({sent:,} tokens sent; server said limit {failure.limit}, prompt "
                 f"{failure.prompt_tokens}{bounded}): refit {self._withheld():,} tokens below the limit"
             )
-            return ContextLengthExceeded(
-                f"the server refused the prompt as too long after {self.attempts} attempt(s): we sent {sent:,} "
-                f"tokens with {self.answer:,} reserved for the answer; the server reported a limit of "
-                f"{failure.limit} and a prompt of {failure.prompt_tokens} tokens. Fix: set context_window to the "
-                f"server's max_model_len (or n_ctx), lower {self.answer_key or 'max_tokens'}, or let more attempts "
-                f"run (attempts=...). Server said: {failure.message[:300]}",
-                limit=failure.limit,
-                prompt_tokens=failure.prompt_tokens,
-                report=report,
-                attempts=self.attempts,
-            )
-        if failure.kind == "oom":
+        elif failure.kind == "oom":
             self.cap = max(1, (sent * 3) // 4)
             self.recoveries.append(f"out of memory at {sent:,} prompt tokens: refit to at most {self.cap:,}")
-            return OutOfMemory(
-                f"the model ran out of memory on a {sent:,}-token prompt with {self.answer:,} answer tokens, after "
-                f"{self.attempts} attempt(s). Fix: lower context_window or max_tokens, set gpu= and concurrency= "
-                "so the limit comes from the memory model, or use a smaller KV dtype",
-                report=report,
-                attempts=self.attempts,
-            )
-        self.recoveries.append(f"transport error: {failure.message[:120]}")
-        self.transport_failures.append(failure)
-        return TransportError(
-            f"the call failed after {self.attempts} attempt(s): {failure.message[:300].rstrip('.')}. Fix: check the "
-            "server, raise attempts=... or the client's timeout",
-            report=report,
+        else:
+            self.recoveries.append(f"transport error: {failure.message[:120]}")
+            self.transport_failures.append(failure)
+        attempted = Attempted(
+            sent=sent,
+            answer=self.answer,
+            answer_key=self.answer_key,
             attempts=self.attempts,
+            report=fit.report if fit is not None else None,
         )
+        return provider_error(failure, attempted)
 
     def wait(self, exc: BaseException | None) -> float:
         """Seconds before the next attempt: only transport errors wait."""

@@ -10,7 +10,8 @@ the server reported:
 - ``other``: anything else (bad API key, unknown model...); it goes back to the caller unchanged.
 
 The classifiers are a registry keyed by exception class name (walked along the class's MRO), so no SDK has to
-be importable for its errors to be recognised.
+be importable for its errors to be recognised. What the caller finally gets when every attempt failed is worded
+here too (:func:`provider_error`, one wording per kind).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["CONTEXT_PATTERNS", "Failure", "classify", "parse_context_error"]
+from .._exceptions import ContextLengthExceeded, OutOfMemory, ProviderError, TransportError
+
+__all__ = ["CONTEXT_PATTERNS", "Attempted", "Failure", "classify", "parse_context_error", "provider_error"]
 
 Kind = Literal["context", "oom", "transport", "other"]
 
@@ -176,3 +179,64 @@ def classify(exc: BaseException) -> Failure:
         if classifier is not None and (failure := classifier(exc)) is not None:
             return failure
     return Failure(kind="other", message=str(exc))
+
+
+# ------------------------------------------------------------------------------------------------ wording
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attempted:
+    """What a wrapped call had done when it gave up: the prompt tokens it last sent, the answer it reserved (and
+    the caller's argument that set it), its attempts, and the last fit's report."""
+
+    sent: int
+    answer: int
+    answer_key: str | None
+    attempts: int
+    report: Any = None
+
+
+def _too_long(failure: Failure, call: Attempted) -> ProviderError:
+    return ContextLengthExceeded(
+        f"the server refused the prompt as too long after {call.attempts} attempt(s): we sent {call.sent:,} "
+        f"tokens with {call.answer:,} reserved for the answer; the server reported a limit of {failure.limit} and "
+        f"a prompt of {failure.prompt_tokens} tokens. Fix: set context_window to the server's max_model_len (or "
+        f"n_ctx), lower {call.answer_key or 'max_tokens'}, or let more attempts run (attempts=...). Server said: "
+        f"{failure.message[:300]}",
+        limit=failure.limit,
+        prompt_tokens=failure.prompt_tokens,
+        report=call.report,
+        attempts=call.attempts,
+    )
+
+
+def _out_of_memory(failure: Failure, call: Attempted) -> ProviderError:
+    return OutOfMemory(
+        f"the model ran out of memory on a {call.sent:,}-token prompt with {call.answer:,} answer tokens, after "
+        f"{call.attempts} attempt(s). Fix: lower context_window or max_tokens, set gpu= and concurrency= so the "
+        "limit comes from the memory model, or use a smaller KV dtype",
+        report=call.report,
+        attempts=call.attempts,
+    )
+
+
+def _transport_failed(failure: Failure, call: Attempted) -> ProviderError:
+    return TransportError(
+        f"the call failed after {call.attempts} attempt(s): {failure.message[:300].rstrip('.')}. Fix: check the "
+        "server, raise attempts=... or the client's timeout",
+        report=call.report,
+        attempts=call.attempts,
+    )
+
+
+_WORDING: dict[Kind, Callable[[Failure, Attempted], ProviderError]] = {
+    "context": _too_long,
+    "oom": _out_of_memory,
+    "transport": _transport_failed,
+}
+
+
+def provider_error(failure: Failure, call: Attempted) -> ProviderError:
+    """The error a wrapped call raises for ``failure`` once its attempts are spent (``other`` failures are not
+    mapped: the caller's own exception goes back unchanged)."""
+    return _WORDING[failure.kind if failure.kind != "other" else "transport"](failure, call)
