@@ -569,9 +569,28 @@ class IdentityMemo(Generic[T, V]):
             return None
         return value
 
+    def get_many(self, objs: Iterable[T]) -> list[V | None]:
+        """:meth:`get` of each object, in one call (the hot path of a count over a long history)."""
+        recent = self._memo.recent()
+        older = self._memo.get
+        fresh = self._fresh
+        out: list[V | None] = []
+        for obj in objs:
+            key = id(obj)
+            entry = recent(key) or older(key)  # an entry is a 2-tuple: never falsy
+            if entry is None or entry[0] is not obj or (fresh is not None and not fresh(obj, entry[1])):
+                out.append(None)
+            else:
+                out.append(entry[1])
+        return out
+
     def put(self, obj: T, value: V) -> None:
         """Remember ``value`` for ``obj`` (holding ``obj`` while the entry lives)."""
         self._memo.put(id(obj), (obj, value))
+
+    def put_many(self, items: Iterable[tuple[T, V]]) -> None:
+        """:meth:`put` of each ``(obj, value)``, under one lock."""
+        self._memo.put_many((id(obj), (obj, value)) for obj, value in items)
 
     def pop(self, obj: T) -> V | None:
         """Forget ``obj``; its value, or None (also when the entry was another object's)."""

@@ -592,13 +592,13 @@ def _new_dict(session: Session, message: Message) -> dict[str, Any]:
     """``message.to_dict()``: a new dict every time (the caller may change it), copied from a remembered one when
     every value is an immutable scalar (a cleared tool result, a marker), which is cheaper."""
     cache = session.dict_memo()
-    entry = cache.get(id(message))
-    if entry is None or entry[0] is not message:
+    known = cache.get(message)
+    if known is None:
         data = message.to_dict()
         flat = all(value is None or type(value) in (str, int, float, bool) for value in data.values())
-        cache.put(id(message), (message, dict(data) if flat else None))  # holds the message: its id stays unique
+        cache.put(message, dict(data) if flat else False)  # the entry holds the message: its id stays unique
         return data
-    return dict(entry[1]) if entry[1] is not None else message.to_dict()
+    return dict(known) if isinstance(known, dict) else message.to_dict()
 
 
 def _slots(

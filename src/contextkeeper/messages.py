@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import json
 import re
+import reprlib
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeAlias, overload
@@ -44,6 +45,7 @@ from contextkeeper._memo import IdentityMemo, data_size, same_values
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_REPEATED",
     "VALID_ROLES",
     "ContentFormat",
     "ContentPart",
@@ -100,7 +102,9 @@ def _fail(message: str, fix: str = "", where: str | None = None) -> PydanticCust
 
 class _Model(BaseModel):
     # strict: no silent coercion (bytes -> str, tuple -> list), so what we return is what we were given.
-    model_config = ConfigDict(frozen=True, extra="allow", strict=True)
+    # hide_input_in_errors: printing the input of an error is unbounded for data that holds one list in many
+    # places (see MAX_REPEATED); the error's own words say what is wrong and where.
+    model_config = ConfigDict(frozen=True, extra="allow", strict=True, hide_input_in_errors=True)
 
     def approx_size(self) -> int:
         """Bytes this validated object holds (its fields, unknown keys and the objects inside), for the caches'
@@ -120,6 +124,13 @@ MAX_DEPTH = 100
 """How deeply a message's (or a tool schema's) data may nest: lists and objects inside one another, counted
 from the message (a tool call's arguments sit three levels down). Deeper data is refused before anything
 recurses over it (copies, templates' ``tojson``)."""
+
+MAX_REPEATED = 32_000_000
+"""How much a message's (or a tool schema's) lists and dicts held in more than one place may add when written
+out, in characters (every value at least one, strings and keys their length). Python data can hold one object in
+many places, JSON cannot: copies, comparisons and a template's ``tojson`` write out every place, so ``a = [a, a]``
+forty times over is 2**40 values. The bound is a chat template's output bound (``TemplateLimits.output_chars``):
+a prompt holding the repeats would be at least that long. Unshared data adds nothing, whatever its size."""
 
 # A lone surrogate (U+D800..U+DFFF) is not a character: it has no UTF-8 encoding, so neither a tokenizer nor a
 # server's JSON encoder can take it.
@@ -152,11 +163,12 @@ def _children(value: Any) -> Iterable[tuple[str | int, Any]] | None:
 
 def _clean(root: Any, limit: int) -> bool:
     """:func:`_clean_reference` in one pass: no paths kept, strings checked without being pushed, ASCII text
-    not searched."""
+    not searched, and a container met twice is enough to answer False."""
     if type(root) is str:
         return not _has_lone(root)
     stack = [(root, 0)]
     pop, push = stack.pop, stack.append
+    seen: set[int] | None = None  # containers met below root: one met again is shared (the careful pass measures it)
     while stack:
         value, depth = pop()
         children = _children(value)
@@ -164,6 +176,12 @@ def _clean(root: Any, limit: int) -> bool:
             continue
         if depth >= limit:
             return False
+        if depth:  # root is reached again only by a cycle, which the depth bound stops
+            if seen is None:
+                seen = set()
+            elif id(value) in seen:
+                return False
+            seen.add(id(value))
         is_dict = type(value) is dict
         for key, child in children:
             if is_dict and type(key) is str and _has_lone(key):
@@ -178,9 +196,10 @@ def _clean(root: Any, limit: int) -> bool:
 
 
 def _clean_reference(root: Any, limit: int) -> bool:
-    """Whether ``root`` holds no lone surrogate (in strings, or in the keys of dicts) and nests at most ``limit``
-    levels deep (see :func:`_depth`)."""
-    if _depth(root)[0] > limit:
+    """Whether ``root`` holds no lone surrogate (in strings, or in the keys of dicts), nests at most ``limit``
+    levels deep (see :func:`_depth`) and holds no container in two places (see :func:`_measure`)."""
+    shape = _measure(root)
+    if shape.depth > limit or shape.written > shape.held:
         return False
     stack = [root]
     while stack:
@@ -209,14 +228,51 @@ _ENDLESS = sys.maxsize
 """The depth :func:`_depth` gives data that contains itself (a list appended to itself): it nests without end."""
 
 
-def _depth(root: Any) -> tuple[int, str | int | None]:
-    """Levels of nesting in ``root`` (containers and models, ``root`` itself included) and the key of ``root``
-    under which the deepest level lies (the last such key where several tie); :data:`_ENDLESS` for data that
-    contains itself. Iterative, and each container is measured once however often it is reached, so any depth,
-    shared sub-objects and cycles all take time linear in the containers."""
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What :func:`_measure` finds: the nesting and the written-out size of some data."""
+
+    depth: int  # levels of containers, root included; _ENDLESS for data that contains itself
+    top: str | int | None  # the key of root under which the deepest level lies
+    written: int  # size written out once per place a container is reached (every path), capped at _HUGE
+    held: int  # size with each container counted once: what the data really holds
+    sizes: dict[int, int] = dataclasses.field(repr=False, compare=False)  # id -> written size of that container
+
+    @property
+    def repeated(self) -> int:
+        """What the containers held in more than one place add when written out: 0 for data without them."""
+        return self.written - self.held
+
+
+_HUGE = 10**15  # written sizes stop growing here: far past any bound, and the arithmetic stays small
+
+
+def _own_size(value: Any, children: Iterable[tuple[str | int, Any]]) -> int:
+    """A container's own part of its written size: one for itself, and for each entry its key's length (dicts,
+    models) and its value's size if that is not a container (one, or one plus the length of a string)."""
+    keyed = type(value) is not list and type(value) is not tuple
+    size = 1
+    for key, child in children:
+        if keyed:
+            size += len(key) if type(key) is str else 1
+        if type(child) is str:
+            size += 1 + len(child)
+        elif _children(child) is None:
+            size += 1
+    return size
+
+
+def _measure(root: Any) -> _Shape:
+    """The nesting of ``root`` (containers and models, ``root`` itself included), the key of ``root`` under which
+    the deepest level lies (the last such key where several tie), and its size written out along every path and
+    held once per container (see :data:`MAX_REPEATED`). Iterative, and each container is measured once however
+    often it is reached, so any depth, shared sub-objects and cycles all take time linear in the containers."""
     if _children(root) is None:
-        return 0, None
+        size = 1 + len(root) if type(root) is str else 1
+        return _Shape(0, None, size, size, {})
     heights: dict[int, int] = {}  # id -> levels from that container down (the objects live: root holds them)
+    sizes: dict[int, int] = {}  # id -> written size from that container down
+    held = 0
     open_: set[int] = set()  # containers whose levels are being measured: reaching one again is a cycle
     top: str | int | None = None
     # (container, whether its children are measured, the key of root it lies under)
@@ -226,15 +282,17 @@ def _depth(root: Any) -> tuple[int, str | int | None]:
         key = id(value)
         if measured:
             open_.discard(key)
-            heights[key] = 1 + max(
-                (heights[id(child)] for _, child in _children(value) or () if _children(child) is not None),
-                default=0,
-            )
+            children = list(_children(value) or ())
+            inner = [id(child) for _, child in children if _children(child) is not None]
+            heights[key] = 1 + max((heights[child] for child in inner), default=0)
+            own = _own_size(value, children)
+            held += own
+            sizes[key] = min(_HUGE, own + sum(sizes[child] for child in inner))
             continue
         if key in heights:
             continue
         if key in open_:
-            return _ENDLESS, under
+            return _Shape(_ENDLESS, under, _HUGE, held, sizes)
         open_.add(key)
         stack.append((value, True, under))
         for name, child in _children(value) or ():
@@ -244,7 +302,34 @@ def _depth(root: Any) -> tuple[int, str | int | None]:
     for name, child in _children(root) or ():
         if _children(child) is not None and heights[id(child)] >= best:
             best, top = heights[id(child)], name
-    return heights[id(root)], top
+    return _Shape(heights[id(root)], top, sizes[id(root)], held, sizes)
+
+
+def _depth(root: Any) -> tuple[int, str | int | None]:
+    """Levels of nesting in ``root`` and the key of ``root`` under which the deepest level lies (see
+    :func:`_measure`)."""
+    shape = _measure(root)
+    return shape.depth, shape.top
+
+
+def _repeats_at(root: Any, shape: _Shape) -> tuple[str | int, ...]:
+    """The keys down to where the repeats of ``root`` lie: from ``root``, into the one container whose written
+    size alone is past :data:`MAX_REPEATED`, while there is exactly one and it is held there once."""
+    path: list[str | int] = []
+    value = root
+    while True:
+        big = [
+            (key, child)
+            for key, child in _children(value) or ()
+            if _children(child) is not None and shape.sizes.get(id(child), 0) > MAX_REPEATED
+        ]
+        if len(big) != 1:
+            return tuple(path)
+        key, child = big[0]
+        if sum(1 for _, other in _children(value) or () if other is child) > 1:
+            return tuple(path)  # held twice right here: this is the place
+        path.append(key)
+        value = child
 
 
 def _nesting(depth: int, limit: int) -> str:
@@ -254,12 +339,41 @@ def _nesting(depth: int, limit: int) -> str:
     return f"data nested {depth} levels deep; at most {limit} are allowed"
 
 
+_REPEATS_FIX = (
+    "hold each list or dict in one place (build a new one for each place, as JSON data would), or refer to shared "
+    "data by a name or an id instead of repeating it"
+)
+
+
+def _repeating(shape: _Shape) -> str:
+    """The words for data whose repeats add more than :data:`MAX_REPEATED`."""
+    added = f"{shape.repeated:,}" if shape.written < _HUGE else f"more than {_HUGE:,}"
+    return (
+        f"holds lists or dicts in more than one place, and written out once per place (as copies and a template's "
+        f"tojson write them) they add {added} characters; at most {MAX_REPEATED:,} are allowed (MAX_REPEATED)"
+    )
+
+
+def _shape_problem(root: Any, limit: int, base: tuple[str | int, ...] = ()) -> tuple[str, str, str] | None:
+    """``(where, what, fix)`` when ``root`` nests deeper than ``limit`` levels or its repeats add more than
+    :data:`MAX_REPEATED`; None otherwise. Linear in the containers (see :func:`_measure`)."""
+    shape = _measure(root)
+    if shape.depth > limit:
+        return _where((*base, shape.top) if shape.top is not None else base), _nesting(shape.depth, limit), _DEPTH_FIX
+    if shape.repeated > MAX_REPEATED:
+        return _where((*base, *_repeats_at(root, shape))), _repeating(shape), _REPEATS_FIX
+    return None
+
+
 def _problem(root: Any, limit: int, base: tuple[str | int, ...] = ()) -> tuple[str, str, str] | None:
     """``(where, what, fix)`` of the first lone surrogate in ``root``, or of its nesting when deeper than
-    ``limit`` levels (with the depth found); None when it is clean. The slow pass, for errors only."""
+    ``limit`` levels (with the depth found), or of its repeats when they add more than :data:`MAX_REPEATED`;
+    None when it is clean. The careful pass, for errors and shared data: each container is searched once, so it
+    is linear too."""
     if _clean(root, limit):
         return None
     stack: list[tuple[Any, tuple[str | int, ...]]] = [(root, base)]
+    searched: set[int] = set()  # containers searched already, reached again by another path
     while stack:
         value, path = stack.pop()
         if type(value) is str:
@@ -268,14 +382,14 @@ def _problem(root: Any, limit: int, base: tuple[str | int, ...] = ()) -> tuple[s
                 return _where(path), _surrogate_text(value, found.start()), _SURROGATE_FIX
             continue
         children = _children(value)
-        if children is None or len(path) - len(base) > limit:
+        if children is None or len(path) - len(base) > limit or id(value) in searched:
             continue
+        searched.add(id(value))
         for key, child in children:
             if isinstance(key, str) and type(value) is dict and (found := _LONE.search(key)) is not None:
                 return _where((*path, key)), "an object key " + _surrogate_text(key, found.start()), _SURROGATE_FIX
             stack.append((child, (*path, key)))
-    depth, top = _depth(root)
-    return _where((*base, top) if top is not None else base), _nesting(depth, limit), _DEPTH_FIX
+    return _shape_problem(root, limit, base)
 
 
 def _surrogate_text(text: str, position: int) -> str:
@@ -792,9 +906,25 @@ class _Uncopyable(Exception):
     """Raised by ``_copy`` for a value ``copy.deepcopy`` refuses (a lock, a generator, an open file)."""
 
 
+class _Shared(Exception):
+    """Raised by ``_copy_json`` at a dict or list it meets twice: the data goes to ``_copy_reference``."""
+
+
 def _copy(value: Any, depth: int = 0) -> Any:
     """:func:`_copy_reference` for JSON-shaped data (dicts with string keys, lists, scalars), several times
-    faster; anything else goes to it. Refuses (``_TooDeep``) data nested deeper than ``MAX_DEPTH``."""
+    faster; anything else, and data holding a dict or list in two places, goes to it. Refuses (``_TooDeep``)
+    data nested deeper than ``MAX_DEPTH``."""
+    try:
+        return _copy_json(value, depth, None)
+    except _Shared:
+        # One copy per path would be 2**40 lists for a list doubled forty times; deepcopy copies each object
+        # once, keeping the sharing, and validation then measures what it adds (MAX_REPEATED).
+        return _copy_reference(value, depth)
+
+
+def _copy_json(value: Any, depth: int, seen: set[int] | None) -> Any:
+    """The copy of :func:`_copy`; ``seen`` holds the ids of the containers met so far, None at the top (which
+    only a cycle reaches again, and the depth bound stops those)."""
     kind = type(value)
     if kind in _SCALARS:
         return value
@@ -802,11 +932,23 @@ def _copy(value: Any, depth: int = 0) -> Any:
         if depth >= MAX_DEPTH:
             raise _TooDeep
         if all(type(key) is str for key in value):
-            return {key: _copy(item, depth + 1) for key, item in value.items()}
+            if seen is None:
+                seen = set()
+            elif id(value) in seen:
+                raise _Shared
+            else:
+                seen.add(id(value))
+            return {key: _copy_json(item, depth + 1, seen) for key, item in value.items()}
     elif kind is list:
         if depth >= MAX_DEPTH:
             raise _TooDeep
-        return [_copy(item, depth + 1) for item in value]
+        if seen is None:
+            seen = set()
+        elif id(value) in seen:
+            raise _Shared
+        else:
+            seen.add(id(value))
+        return [_copy_json(item, depth + 1, seen) for item in value]
     return _copy_reference(value, depth)
 
 
@@ -819,6 +961,33 @@ def _copy_reference(value: Any, depth: int = 0) -> Any:
         return copy.deepcopy(value)
     except Exception as exc:  # deepcopy falls back on pickling, which raises anything
         raise _Uncopyable(exc) from None
+
+
+def _shares(root: Any) -> bool:
+    """Whether some container (list, tuple, dict, model) is reached twice from ``root``: held in two places, or
+    holding itself. Nothing else is measured, so the common case, nothing shared, costs one look at each value."""
+    seen = {id(root)}
+    stack = [root]
+    while stack:
+        for _, child in _children(stack.pop()) or ():
+            if type(child) in _SCALARS or _children(child) is None:
+                continue
+            if id(child) in seen:
+                return True
+            seen.add(id(child))
+            stack.append(child)
+    return False
+
+
+def _refuse_shared(data: Any, index: int | None) -> None:
+    """Raise InvalidMessage when ``data`` (a dataclass message's fields, before ``asdict`` copies them along every
+    path) holds containers in more than one place that nest too deep or add more than :data:`MAX_REPEATED`."""
+    if not _shares(data):
+        return
+    problem = _shape_problem(data, MAX_DEPTH)
+    if problem is not None:
+        where, what, fix = problem
+        raise InvalidMessage(f"{where}: {what}" if where != _where(()) else what, index=index, fix=fix)
 
 
 def _too_deep(data: Any, index: int | None) -> InvalidMessage:
@@ -889,6 +1058,8 @@ def _parse_message_reference(item: object, index: int | None) -> tuple[Message, 
             raw = item.model_dump()  # type: ignore[attr-defined]
             fmt = "object"
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            # asdict follows every path too: its fields are measured first.
+            _refuse_shared({field.name: getattr(item, field.name) for field in dataclasses.fields(item)}, index)
             try:
                 raw = dataclasses.asdict(item)
             except RecursionError:
@@ -933,8 +1104,13 @@ def _render_loc(loc: tuple[int | str, ...], prefix: str = "") -> str:
     return out
 
 
+# A bounded repr: the repr of a list held in many places (see MAX_REPEATED) would follow every path.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    text = repr(value) if type(value) in _SCALARS else _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

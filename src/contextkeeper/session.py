@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._memo import Memo
+from ._memo import IdentityMemo
 from .messages import Conversation, Message
 from .strategies.base import Unit
 from .tokens import BatchTextCounting, Forking, TextBounding, TextCounting, TokenCounter
@@ -73,7 +73,8 @@ class Session:
     previous: Conversation | None = None  # the messages the previous fit validated, reused where unchanged
     paired: tuple[tuple[Message, ...], tuple[Any, ...], list[int]] | None = None  # the last pairing check
     head_slots: tuple[tuple[Message, ...], Any, HeadCounts | None] | None = None  # the system prompt's counts
-    dicts: Memo[int, tuple[Message, dict[str, Any] | None]] | None = None  # rewrites handed back as dicts
+    # Rewrites handed back as dicts: a flat copy of each (False: not flat, made anew every time).
+    dicts: IdentityMemo[Message, dict[str, Any] | bool] | None = None
     last_fit: Fit | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # the strategies' own state (FitState.memory)
 
@@ -92,12 +93,12 @@ class Session:
             text_bound=main.text_tokens_bound if isinstance(main, TextBounding) else None,
         )
 
-    def dict_memo(self) -> Memo[int, tuple[Message, dict[str, Any] | None]]:
-        """The rewrites this conversation handed back as dicts, made on first use; a :class:`Memo`, so bounded
-        with every other cache by the shared byte budget."""
+    def dict_memo(self) -> IdentityMemo[Message, dict[str, Any] | bool]:
+        """The rewrites this conversation handed back as dicts, made on first use; an :class:`IdentityMemo`, so
+        bounded with every other cache by the shared byte budget."""
         if self.dicts is None:
             # An entry holds the message (a rewrite, counted where the strategies keep it) and a flat dict of it.
-            self.dicts = Memo("keeper.dicts", sizer=lambda key, entry: sys.getsizeof(entry[1]) + 128)
+            self.dicts = IdentityMemo("keeper.dicts", sizer=lambda message, flat: sys.getsizeof(flat) + 128)
         return self.dicts
 
 

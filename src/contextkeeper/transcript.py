@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import sqlite3
+import sys
 import threading
 import time as _time
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._exceptions import ConfigurationError, ContextKeeperError, UnknownCall
-from .messages import Message
+from ._exceptions import ConfigurationError, ContextKeeperError, MessageError, UnknownCall
+from ._memo import IdentityMemo, Memo, data_size
+from .messages import MAX_DEPTH, Message, _problem
 
 __all__ = [
     "INTERRUPTED",
@@ -145,7 +147,14 @@ def _default(value: Any) -> Any:
 
 def _serial(value: Any) -> str:
     """Compact JSON in the value's own key order (what is stored, and hashed: two dicts equal but for their key
-    order are two blobs, each read back in its own order)."""
+    order are two blobs, each read back in its own order). The caller's data is checked first, in one pass over
+    its containers: written ahead of any fit, it must not hang ``json.dumps`` (a list shared many times over
+    writes out 2**depth times) or reach the file as text SQLite cannot encode."""
+    if isinstance(value, (dict, list)):
+        problem = _problem(value, MAX_DEPTH)
+        if problem is not None:
+            where, what, fix = problem
+            raise MessageError(f"cannot record this call: {where}: {what}", fix=fix)
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=_default)
 
 
@@ -370,9 +379,6 @@ class _Row:
     owner: str | None = None  # the process that began it (see _owner)
 
 
-_ID_CACHE_LIMIT = 1 << 16
-
-
 def _start_time(pid: int) -> str | None:
     """When process ``pid`` started (Linux: clock ticks since boot), or None where that cannot be read. With the
     pid it names one process even after the pid is reused (a restarted container often gets the same pid)."""
@@ -428,6 +434,23 @@ def _status(row: _Row, running: dict[str | None, bool]) -> Status:
     return "pending" if running[row.owner] else "interrupted"
 
 
+def _seen_size(message: object, seen: tuple[int, object, int]) -> int:
+    # The snapshot (a copy of a dict, or the message itself) and the blob id; the message held by the entry is
+    # the caller's, or the snapshot.
+    return seen[2] + 64
+
+
+def _seen_fresh(message: object, seen: tuple[int, object, int]) -> bool:
+    return _same(seen[1], message)
+
+
+def _path_size(lane: str, path: tuple[tuple[object, ...], list[int], int]) -> int:
+    # The snapshots (also charged in ``transcript.seen`` while it keeps them: the bound errs on the safe side),
+    # the two lists, and a node id each.
+    snapshots, nodes, held = path
+    return sys.getsizeof(lane) + held + sys.getsizeof(snapshots) + sys.getsizeof(nodes) + 32 * len(nodes)
+
+
 class _Never:
     """Equal to nothing: the snapshot of a message that cannot be compared cheaply."""
 
@@ -448,15 +471,20 @@ class Transcript:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        # id(message) -> (message, blob id, snapshot to compare with): a message sent again on every turn is
-        # neither serialised nor hashed again. The reference keeps the id from being reused; the snapshot
-        # notices a dict the caller changed in place.
-        self._seen: dict[int, tuple[object, int, object]] = {}
-        self._blobs: dict[str, int] = {}  # digest -> blob id
-        self._nodes: dict[tuple[int, int], int] = {}  # (parent node, blob id) -> node
-        self._created: set[int] = set()  # nodes this instance stored
-        # conversation -> snapshots of the inputs it last recorded and their trie nodes
-        self._paths: dict[str, tuple[tuple[object, ...], list[int]]] = {}
+        # Caches in front of the store, bounded with every other cache by the shared byte budget (a dropped
+        # entry is looked up in the store again). A message sent again on every turn is neither serialised nor
+        # hashed again: each message -> (blob id, snapshot to compare with, the snapshot's bytes); the entry holds
+        # the message, so its id is not reused, and the snapshot notices a dict the caller changed in place.
+        self._seen: IdentityMemo[object, tuple[int, object, int]] = IdentityMemo(
+            "transcript.seen", sizer=_seen_size, fresh=_seen_fresh
+        )
+        self._blobs: Memo[str, int] = Memo("transcript.blobs")  # digest -> blob id
+        self._nodes: Memo[tuple[int, int], int] = Memo("transcript.nodes")  # (parent node, blob id) -> node
+        # Nodes this instance stored: their children are all in ``_nodes`` unless it dropped them (then storing a
+        # child finds the existing one: the store keeps (parent, blob) unique).
+        self._created: Memo[int, bool] = Memo("transcript.created")
+        # conversation -> snapshots of the inputs it last recorded, their trie nodes, and the snapshots' bytes
+        self._paths: Memo[str, tuple[tuple[object, ...], list[int], int]] = Memo("transcript.paths", sizer=_path_size)
         self._begun: dict[int, int] = {}  # calls started and not ended here -> their inputs' node
 
     # -- primitives -------------------------------------------------------------------------------------
@@ -508,15 +536,15 @@ class Transcript:
             blob = self._find_blob(digest)
             if blob is None:
                 blob = self._store_blob(digest, text)
-            self._blobs[digest] = blob
+            self._blobs.put(digest, blob)
         return blob
 
-    def _message_blob(self, message: Any) -> tuple[int, object]:
-        """The message's blob id, and a snapshot that compares equal to it while it is unchanged (a copy of a
-        dict, a Message itself; ``_NEVER`` for objects we cannot compare cheaply)."""
-        seen = self._seen.get(id(message))
-        if seen is not None and seen[0] is message and _same(seen[2], message):
-            return seen[1], seen[2]
+    def _message_blob(self, message: Any) -> tuple[int, object, int]:
+        """The message's blob id, a snapshot that compares equal to it while it is unchanged (a copy of a dict, a
+        Message itself; ``_NEVER`` for objects we cannot compare cheaply) and the snapshot's bytes."""
+        seen = self._seen.get(message)
+        if seen is not None:
+            return seen
         if type(message) is dict:
             text = _serial(message)
             blob = self._blob(None, text)
@@ -524,11 +552,10 @@ class Transcript:
         elif isinstance(message, Message):
             blob, snapshot = self._blob(message.to_dict()), message
         else:
-            return self._blob(_plain(message)), _NEVER
-        if len(self._seen) >= _ID_CACHE_LIMIT:
-            self._seen.clear()
-        self._seen[id(message)] = (message, blob, snapshot)
-        return blob, snapshot
+            return self._blob(_plain(message)), _NEVER, 0
+        found = (blob, snapshot, data_size(snapshot))
+        self._seen.put(message, found)
+        return found
 
     def _node(self, messages: Sequence[Any], lane: str | None = None) -> int:
         """The trie node of ``messages``. With a ``lane`` (one conversation's inputs), the list the lane saw
@@ -537,31 +564,33 @@ class Transcript:
         node, start = 0, 0
         snapshots: list[object] = []
         nodes: list[int] = []
+        held = 0  # the snapshots' bytes
         memo = self._paths.get(lane) if lane is not None else None
         if memo is not None:
-            known, known_nodes = memo
+            known, known_nodes, known_bytes = memo
             size = len(known)
             if size and size <= len(messages) and all(map(_same, known, messages[:size])):
                 node, start = known_nodes[-1], size
-                snapshots, nodes = list(known), list(known_nodes)
+                snapshots, nodes, held = list(known), list(known_nodes), known_bytes
         comparable = len(snapshots) == start
         for message in messages[start:] if start else messages:
-            blob, snapshot = self._message_blob(message)
+            blob, snapshot, snapshot_bytes = self._message_blob(message)
             child = self._nodes.get((node, blob))
             if child is None:
                 # A node this instance made has no children but those in the cache: no need to ask the store.
                 child = None if node in self._created else self._find_node(node, blob)
                 if child is None:
                     child = self._store_node(node, blob)
-                    self._created.add(child)
-                self._nodes[(node, blob)] = child
+                    self._created.put(child, True)
+                self._nodes.put((node, blob), child)
             node = child
             comparable = comparable and snapshot is not _NEVER
             if comparable:
                 snapshots.append(snapshot)
                 nodes.append(node)
+                held += snapshot_bytes
         if lane is not None:
-            self._paths[lane] = (tuple(snapshots), nodes)
+            self._paths.put(lane, (tuple(snapshots), nodes, held))
         return node
 
     # -- public -----------------------------------------------------------------------------------------
@@ -749,24 +778,34 @@ class MemoryTranscript(Transcript):
         self._parents: list[int] = [0]  # node 0 is the empty list
         self._node_blobs: list[int] = [-1]
         self._rows: list[_Row] = []
+        # The store's indexes (its data, as the UNIQUE columns are SQLite's, not caches): each distinct message
+        # and each (parent, blob) node is stored once however long the transcript lives.
+        self._blob_ids: dict[str, int] = {}
+        self._node_ids: dict[tuple[int, int], int] = {}
 
     def _store_blob(self, digest: str, text: str) -> int:
-        self._texts.append(text)
-        return len(self._texts) - 1
+        blob = self._blob_ids.get(digest)
+        if blob is None:
+            self._texts.append(text)
+            blob = self._blob_ids[digest] = len(self._texts) - 1
+        return blob
 
     def _find_blob(self, digest: str) -> int | None:
-        return None  # self._blobs (the shared cache) is the index in memory
+        return self._blob_ids.get(digest)
 
     def _blob_texts(self, ids: set[int]) -> dict[int, str]:
         return {i: self._texts[i] for i in ids}
 
     def _store_node(self, parent: int, blob: int) -> int:
-        self._parents.append(parent)
-        self._node_blobs.append(blob)
-        return len(self._parents) - 1
+        node = self._node_ids.get((parent, blob))
+        if node is None:
+            self._parents.append(parent)
+            self._node_blobs.append(blob)
+            node = self._node_ids[(parent, blob)] = len(self._parents) - 1
+        return node
 
     def _find_node(self, parent: int, blob: int) -> int | None:
-        return None
+        return self._node_ids.get((parent, blob))
 
     def _path(self, node: int) -> list[int]:
         out = []

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import sys
 import typing
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -24,6 +25,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from pydantic import Field, create_model
 
 from .._exceptions import ConfigurationError
+from .._memo import IdentityMemo, data_size
 from ..messages import Message
 from ..tokens._incremental import shared_prefix
 from ._settings import Settings
@@ -70,6 +72,21 @@ class Item:
 
 
 Unit = tuple[Item, ...]
+
+
+# The rewrites kept per source message (one per strategy setting that rewrote it, newest first): a key that
+# changes every turn, such as the set of pruned calls, cannot pile up versions of one message.
+_REWRITES_PER_SOURCE = 8
+
+
+def _unit_entry_size(unit: Unit, chars: int) -> int:
+    # The unit's tuple and items; its messages are counted where the counter keeps them.
+    return sys.getsizeof(unit) + 320 * len(unit) + 96
+
+
+def _rewrites_size(source: Message, made: tuple[tuple[Any, Message], ...]) -> int:
+    # The source is the caller's message (counted where the counter keeps it); the rewrites are new: counted here.
+    return sum(data_size(rewrite) + 128 for _, rewrite in made)
 
 
 def _unit_chars(unit: Unit) -> int:
@@ -181,26 +198,17 @@ class FitState:
         """Characters of each unit's text and tool-call arguments (cheap; remembered per unit, within the shared
         cache budget)."""
         cache = self.memory.get("_unit_chars")
-        if cache is None:  # a Memo: bounded, with every other cache, by the shared byte budget
-            import sys
-
-            from .._memo import Memo
-
-            def size(key: int, entry: tuple[Unit, int]) -> int:
-                # The unit's tuple and items; its messages are counted where the counter keeps them.
-                return sys.getsizeof(entry[0]) + 320 * len(entry[0]) + 96
-
-            cache = self.memory["_unit_chars"] = Memo("fit.unit_chars", sizer=size)
-        out = []
-        new = []
-        for unit in units:
-            entry = cache.get(id(unit))
-            if entry is None or entry[0] is not unit:
-                entry = (unit, _unit_chars(unit))  # holds the unit: its id stays unique while cached
-                new.append((id(unit), entry))
-            out.append(entry[1])
+        if cache is None:  # bounded, with every other cache, by the shared byte budget
+            cache = self.memory["_unit_chars"] = IdentityMemo("fit.unit_chars", sizer=_unit_entry_size)
+        out: list[int] = []
+        new: list[tuple[Unit, int]] = []
+        for unit, chars in zip(units, cache.get_many(units), strict=True):
+            if chars is None:
+                chars = _unit_chars(unit)
+                new.append((unit, chars))
+            out.append(chars)
         if new:
-            cache.put_many(new)
+            cache.put_many(new)  # the entries hold the units: their ids stay unique while cached
         return out
 
     def over(self) -> int:
@@ -216,22 +224,21 @@ class FitState:
         caller's message, so a chain of them is re-applied whole."""
         store = self.memory.get("_rewrites")
         roots = self.memory.get("_rewrite_roots")
-        if store is None or roots is None:  # Memos: bounded, with every other cache, by the shared byte budget
-            from .._memo import Memo, data_size
-
-            # A rewrite entry holds the source (the caller's message, counted where the counter keeps it) and the
-            # rewritten message (new: counted here); a root entry holds two messages counted elsewhere.
-            store = self.memory["_rewrites"] = Memo("fit.rewrites", sizer=lambda key, entry: data_size(entry[1]) + 128)
-            roots = self.memory["_rewrite_roots"] = Memo("fit.rewrite_roots", sizer=lambda key, entry: 128)
-        known = roots.get(id(source))
-        root = known[1] if known is not None and known[0] is source else source
-        entry = store.get((id(source), key))
-        if entry is None or entry[0] is not source:
-            entry = (source, build())  # the entry holds the source, so its id is not reused while cached
-            store.put((id(source), key), entry)
-            if entry[1] is not source:
-                roots.put(id(entry[1]), (entry[1], root))  # holds the rewrite: its id stays unique
-        return Item(entry[1], None, root)
+        if store is None or roots is None:  # bounded, with every other cache, by the shared byte budget
+            store = self.memory["_rewrites"] = IdentityMemo("fit.rewrites", sizer=_rewrites_size)
+            # A root entry holds two messages counted elsewhere (the rewrite here, the source by the counter).
+            roots = self.memory["_rewrite_roots"] = IdentityMemo("fit.rewrite_roots", sizer=lambda rewrite, root: 128)
+        known_root = roots.get(source)
+        root = source if known_root is None else known_root
+        made = store.get(source) or ()
+        rewrite = next((message for known, message in made if known == key), None)
+        if rewrite is None:
+            rewrite = build()
+            # A new tuple (an entry is never changed: its size was charged when it was put), newest key first.
+            store.put(source, ((key, rewrite), *made[: _REWRITES_PER_SOURCE - 1]))
+            if rewrite is not source:
+                roots.put(rewrite, root)  # the entry holds the rewrite: its id stays unique
+        return Item(rewrite, None, root)
 
     def with_history(self, history: Sequence[Unit], action: Action | None = None) -> FitState:
         actions = self.actions + ((action,) if action is not None else ())

@@ -69,10 +69,26 @@ class BudgetSettings:
         return ", ".join(parts)
 
     def key(self) -> tuple[Any, ...]:
-        """A hashable key for caching keepers (objects by identity)."""
+        """A hashable key for caching keepers: scalars by value, objects by identity (the key holds them)."""
         return tuple(
-            (k, v if isinstance(v, (str, int, float, type(None))) else ("id", id(v))) for k, v in self.values.items()
+            (k, v if isinstance(v, (str, int, float, type(None))) else _Same(v)) for k, v in self.values.items()
         )
+
+
+class _Same:
+    """An object as part of a key: equal only to the very same object, and holding it, so that while the key is
+    kept (a cached keeper's) no other object can take its id and be mistaken for it."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
 
 
 def check_values(values: Mapping[str, Any], where: str, *, strict_types: bool) -> None:

@@ -42,7 +42,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace, _PassArg, pass_context
 
 from .._exceptions import ChatTemplateError, ConfigurationError, TemplateLimitExceeded
-from .._memo import Memo, approx_size, data_size, memoize
+from .._memo import IdentityMemo, approx_size, data_size, memoize
 from .._memo import same_values as same_values
 from ._incremental import LoopState
 
@@ -901,8 +901,8 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
 # ------------------------------------------------------------------------------------------ tojson, memoised
 
 
-def _frozen_entry_size(key: Any, entry: Any) -> int:
-    return data_size(entry)
+def _frozen_entry_size(value: Any, outputs: dict[Any, str]) -> int:
+    return data_size((value, outputs))
 
 
 class FrozenJSON:
@@ -910,28 +910,25 @@ class FrozenJSON:
 
     A template renders the tool schemas on every call, and ``tojson`` with ``indent`` runs Python's pure-Python
     JSON encoder: about a millisecond per call for five schemas. Only registered objects are memoised, keyed by
-    identity; an entry holds its object, so its id cannot be reused by another while the entry lives. Entries
-    live in a :class:`Memo` (within the shared cache budget): one that was dropped is computed again.
+    identity in an :class:`~contextkeeper._memo.IdentityMemo` (within the shared cache budget; an entry holds its
+    object, so its id cannot be reused by another while the entry lives): one that was dropped is computed again.
     """
 
     def __init__(self) -> None:
-        self._outputs: Memo[int, tuple[Any, dict[Any, str]]] = Memo("sandbox.tojson", sizer=_frozen_entry_size)
+        self._outputs: IdentityMemo[Any, dict[Any, str]] = IdentityMemo("sandbox.tojson", sizer=_frozen_entry_size)
         self._lock = threading.Lock()
 
     def register(self, value: Any) -> None:
         """Register ``value`` and every dict and list inside it."""
         with self._lock:
             for item in _containers(value):
-                entry = self._outputs.get(id(item))
-                if entry is None or entry[0] is not item:
-                    self._outputs.put(id(item), (item, {}))
+                if self._outputs.get(item) is None:
+                    self._outputs.put(item, {})
 
     def unregister(self, value: Any) -> None:
         with self._lock:
             for item in _containers(value):
-                entry = self._outputs.get(id(item))
-                if entry is not None and entry[0] is item:
-                    self._outputs.pop(id(item))
+                self._outputs.pop(item)
 
     def wrap(self, tojson: Callable[..., Any]) -> Callable[..., Any]:
         """``tojson`` memoised for registered objects and bounded (see ``_filter_tojson``) where it runs; marked
@@ -940,19 +937,19 @@ class FrozenJSON:
 
         @pass_context
         def memo_tojson(context: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-            entry = outputs.get(id(x))
-            if entry is None or entry[0] is not x:
+            known = outputs.get(x)
+            if known is None:
                 return _bounded_call(tojson, x, args, kwargs)
             try:
                 key = (args, tuple(sorted(kwargs.items())))
                 hash(key)
             except TypeError:  # e.g. separators given as a list
                 return _bounded_call(tojson, x, args, kwargs)
-            out = entry[1].get(key)
+            out = known.get(key)
             if out is None:
                 out = _bounded_call(tojson, x, args, kwargs)
                 # A new entry (the old one's dict is never changed: its size was charged when it was put).
-                outputs.put(id(x), (x, {**entry[1], key: out}))
+                outputs.put(x, {**known, key: out})
             return out
 
         return memo_tojson

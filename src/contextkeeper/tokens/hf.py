@@ -14,7 +14,7 @@ import jinja2.meta
 import jinja2.nodes
 
 from .._exceptions import ChatTemplateError, ConfigurationError, CountingError
-from .._memo import Memo, data_size, memoize
+from .._memo import IdentityMemo, data_size, memoize
 from ..messages import (
     ContentPart,
     Conversation,
@@ -111,11 +111,11 @@ def _compile(source: str, name: str) -> None:
         ) from exc
 
 
-def _view_size(key: Any, entry: tuple[Message, dict[str, Any], list[ContentPart]]) -> int:
+def _view_size(message: Message, entry: tuple[dict[str, Any], list[ContentPart]]) -> int:
     # The message and its view, estimated from the message's fields without walking either (this runs for every
     # new message of a count): their objects, the text they share, and a tool call's parsed arguments (new
     # objects, about three times the JSON's length).
-    message, view, media = entry
+    view, media = entry
     size = 1536 + sum(sys.getsizeof(value) for value in view.values() if type(value) is str)
     content = view.get("content")
     if type(content) is list:
@@ -203,7 +203,9 @@ class HFChatTemplateCounter:
         self._warned_tools = False
         self._lock = threading.Lock()
         # Template-ready views by message identity; an entry holds its message, so the id stays unique.
-        self._views: Memo[int, tuple[Message, dict[str, Any], list[ContentPart]]] = Memo("hf.views", sizer=_view_size)
+        self._views: IdentityMemo[Message, tuple[dict[str, Any], list[ContentPart]]] = IdentityMemo(
+            "hf.views", sizer=_view_size
+        )
         self._last_view: tuple[tuple[Message, ...], list[dict[str, Any]], list[tuple[int, ContentPart]]] = ((), [], [])
         self._last_conversation: Conversation | None = None
         self._tools: list[dict[str, Any]] | None = None
@@ -335,17 +337,15 @@ class HFChatTemplateCounter:
         elif last_messages:
             # A window that dropped its oldest messages ends with the previous call's: take those views whole too.
             stop -= shared_suffix(messages, last_messages)
-        new: list[tuple[int, tuple[Message, dict[str, Any], list[ContentPart]]]] = []
-        recent = cache.recent()
-        for index in range(start, stop):
-            message = messages[index]
-            entry = recent(id(message)) or cache.get(id(message))
-            if entry is None or entry[0] is not message:
-                entry = (message, *self._view_one(message))
-                new.append((id(message), entry))
-            plain.append(entry[1])
-            if entry[2]:
-                media.extend((index, part) for part in entry[2])
+        new: list[tuple[Message, tuple[dict[str, Any], list[ContentPart]]]] = []
+        for index, entry in enumerate(cache.get_many(messages[start:stop]), start):
+            if entry is None:
+                message = messages[index]
+                entry = self._view_one(message)
+                new.append((message, entry))
+            plain.append(entry[0])
+            if entry[1]:
+                media.extend((index, part) for part in entry[1])
         if new:
             cache.put_many(new)
         if stop < len(messages):
