@@ -26,7 +26,7 @@ import threading
 import types
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -45,6 +45,8 @@ __all__ = [
     "memoize",
     "same_values",
     "set_cache_bytes",
+    "shared_prefix",
+    "shared_suffix",
     "text_entry_size",
     "text_key_size",
 ]
@@ -724,3 +726,24 @@ def _same_type(a: Any, b: Any) -> bool:
 
 
 set_cache_bytes(None)  # the environment's setting, checked once at import
+
+
+# ------------------------------------------------------------------------------------------ identity runs
+
+
+def shared_prefix(a: Sequence[Any], b: Sequence[Any], same: Callable[[Any, Any], bool] = operator.is_) -> int:
+    """Length of the longest common prefix of two lists of the very same objects (``same``: another test).
+
+    Identity, not equality: ``{"n": 1} == {"n": True}`` in Python, yet a template renders them differently.
+    ``map(same, ...)`` keeps the loop in C.
+    """
+    limit = min(len(a), len(b))
+    if limit and same(a[limit - 1], b[limit - 1]) and all(map(same, a[:limit], b[:limit])):
+        return limit  # the usual answer, found in one pass that builds nothing
+    equal = list(map(same, a[:limit], b[:limit]))
+    return limit if all(equal) else equal.index(False)
+
+
+def shared_suffix(a: Sequence[Any], b: Sequence[Any], same: Callable[[Any, Any], bool] = operator.is_) -> int:
+    """Length of the longest common suffix (see :func:`shared_prefix`)."""
+    return shared_prefix(a[::-1], b[::-1], same)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from ._exceptions import InvariantViolation, MessageError
+from ._memo import shared_prefix
 from .budget import Budget
 from .messages import Conversation, Message, MessageLike, _group_units, _restore_conversation
 from .report import Fit, FitReport, _Breakdown
@@ -24,7 +25,6 @@ from .strategies._turn import compact_turn
 from .strategies.base import Action, FitState, Foresight, Item, LLMCall, Pipeline, Unit, run_sync
 from .strategies.sliding_window import SlidingWindow
 from .tokens import PromptBounding, ToolFreezing
-from .tokens._incremental import shared_prefix
 from .tokens.breakdown import head_counts, prompt_slots
 
 __all__ = ["Ask", "Counts", "Draft", "Setup", "fit"]

@@ -25,9 +25,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from pydantic import Field, create_model
 
 from .._exceptions import ConfigurationError
-from .._memo import IdentityMemo, data_size
+from .._memo import IdentityMemo, data_size, shared_prefix
 from ..messages import Message
-from ..tokens._incremental import shared_prefix
 from ._settings import Settings
 
 __all__ = [

@@ -16,14 +16,14 @@ import copy
 import operator
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2.meta
 from jinja2 import Template, nodes
 
-from .._memo import Memo
+from .._memo import Memo, shared_prefix, shared_suffix
 
 __all__ = [
     "Guard",
@@ -496,24 +496,6 @@ def _window(messages: list[Any], index: int, reach: int) -> tuple[Any, ...]:
 
 # Above this many bodies to render, one marked whole render (cut at the sentinels) beats rendering each body.
 _BATCH = 8
-
-
-def shared_prefix(a: Sequence[Any], b: Sequence[Any], same: Callable[[Any, Any], bool] = operator.is_) -> int:
-    """Length of the longest common prefix of two lists of the very same objects (``same``: another test).
-
-    Identity, not equality: ``{"n": 1} == {"n": True}`` in Python, yet a template renders them differently.
-    ``map(same, ...)`` keeps the loop in C.
-    """
-    limit = min(len(a), len(b))
-    if limit and same(a[limit - 1], b[limit - 1]) and all(map(same, a[:limit], b[:limit])):
-        return limit  # the usual answer, found in one pass that builds nothing
-    equal = list(map(same, a[:limit], b[:limit]))
-    return limit if all(equal) else equal.index(False)
-
-
-def shared_suffix(a: Sequence[Any], b: Sequence[Any], same: Callable[[Any, Any], bool] = operator.is_) -> int:
-    """Length of the longest common suffix (see :func:`shared_prefix`)."""
-    return shared_prefix(a[::-1], b[::-1], same)
 
 
 def _body_size(key: Any, entry: tuple[tuple[Any, ...], str]) -> int:

@@ -28,8 +28,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from .._memo import Memo, text_key_size
-from ._incremental import shared_prefix, shared_suffix
+from .._memo import Memo, shared_prefix, shared_suffix, text_key_size
 
 __all__ = ["PieceCounter"]
 

@@ -14,7 +14,7 @@ import jinja2.meta
 import jinja2.nodes
 
 from .._exceptions import ChatTemplateError, ConfigurationError, CountingError
-from .._memo import IdentityMemo, data_size, memoize
+from .._memo import IdentityMemo, data_size, memoize, shared_prefix, shared_suffix
 from ..messages import (
     ContentPart,
     Conversation,
@@ -24,7 +24,7 @@ from ..messages import (
     server_view_message,
     surrogate_at,
 )
-from ._incremental import IncrementalRenderer, SplitTemplate, shared_prefix, shared_suffix, split_template
+from ._incremental import IncrementalRenderer, SplitTemplate, split_template
 from ._pieces import PieceCounter
 from ._sandbox import FROZEN_JSON, TemplateLimits, bounded, compile_template, limits_of, same_values
 from .base import Measurement, MessagesLike, ToolsLike
