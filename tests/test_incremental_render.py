@@ -10,8 +10,8 @@ import pytest
 import contextkeeper as ck
 from assets import ASSETS, template
 from conftest import hf_tokenizer
-from contextkeeper.tokens._incremental import split_template
 from contextkeeper.tokens._sandbox import compile_template
+from contextkeeper.tokens.render import split_template
 from conversations import CONVERSATIONS, TOOLS, call
 
 ALL_TEMPLATES = sorted(p.stem for p in (ASSETS / "templates").glob("*.jinja")) if ASSETS.exists() else []
@@ -228,14 +228,14 @@ def test_a_backward_scan_stops_once_its_flag_is_down() -> None:
     # does nothing. The head stops there (a ``break`` after the flag write) and renders the same text.
     from jinja2 import nodes
 
-    from contextkeeper.tokens._incremental import _stop_scans
+    from contextkeeper.tokens.render.scan import stop_scans
 
     env = compile_template(SCAN).environment
     body = env.parse(SCAN).body
-    stopped = _stop_scans(body[:2])
+    stopped = stop_scans(body[:2])
     assert any(isinstance(n, nodes.Break) for n in stopped[1].find_all(nodes.Break))
     qwen3 = template("Qwen-Qwen3-0.6B")
-    qwen3_head = _stop_scans(env.parse(qwen3).body)
+    qwen3_head = stop_scans(env.parse(qwen3).body)
     assert any(True for node in qwen3_head for _ in node.find_all(nodes.Break))
     tokenizer = hf_tokenizer("qwen2")
     fast = ck.HFChatTemplateCounter(tokenizer, chat_template=SCAN)
@@ -256,7 +256,7 @@ def test_a_backward_scan_stops_once_its_flag_is_down() -> None:
 def test_scans_of_other_shapes_run_to_the_end() -> None:
     from jinja2 import nodes
 
-    from contextkeeper.tokens._incremental import _stop_scans
+    from contextkeeper.tokens.render.scan import stop_scans
 
     shapes = [
         # the flag is raised again inside the loop
@@ -274,5 +274,5 @@ def test_scans_of_other_shapes_run_to_the_end() -> None:
     ]
     for source in shapes:
         env = compile_template(source).environment
-        body = _stop_scans(env.parse(source).body)
+        body = stop_scans(env.parse(source).body)
         assert not any(True for node in body for _ in node.find_all(nodes.Break)), source

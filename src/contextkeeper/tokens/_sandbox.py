@@ -44,7 +44,7 @@ from jinja2.utils import Namespace, _PassArg, pass_context
 from .._exceptions import ChatTemplateError, ConfigurationError, TemplateLimitExceeded
 from .._memo import IdentityMemo, approx_size, data_size, memoize
 from .._memo import same_values as same_values
-from ._incremental import LoopState
+from .render import LoopState
 
 __all__ = [
     "DEFAULT_LIMITS",

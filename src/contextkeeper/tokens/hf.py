@@ -24,11 +24,11 @@ from ..messages import (
     server_view_message,
     surrogate_at,
 )
-from ._incremental import IncrementalRenderer, SplitTemplate, split_template
-from ._pieces import PieceCounter
 from ._sandbox import FROZEN_JSON, TemplateLimits, bounded, compile_template, limits_of, same_values
 from .base import Measurement, MessagesLike, ToolsLike
 from .media import MediaCost, media_cost_for
+from .pieces import PieceCounter
+from .render import IncrementalRenderer, SplitTemplate, split_template
 
 __all__ = ["HFChatTemplateCounter", "detect_content_format"]
 

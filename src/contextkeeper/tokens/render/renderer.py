@@ -1,0 +1,188 @@
+"""Carrying out a render plan: the head and tail afresh, bodies from the memo, the previous call or rendered."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ..._memo import Memo
+from .plan import BATCH, Previous, RenderPlan, body_key, generation_key, guard_marks, plan_render, window
+from .split import SENTINEL, SplitTemplate
+
+_Entry = tuple[tuple[Any, ...], str]  # a body's window and its output
+
+
+class LoopState:
+    """The ``loop`` variable for one iteration of a split template's loop (index and position only)."""
+
+    __slots__ = ("first", "index", "index0", "last")
+
+    def __init__(self, index0: int, length: int) -> None:
+        self.index0 = index0
+        self.index = index0 + 1
+        self.first = index0 == 0
+        self.last = index0 == length - 1
+
+
+def _body_size(key: Any, entry: _Entry) -> int:
+    # The key (ints, flags, ids), the window and the body's text. The views the window holds are counted where the
+    # counter keeps them (its own memo of views, filled in the same count, so dropped at about the same time):
+    # counting them again for each of up to hundreds of bodies per render would cost more than the render.
+    messages, text = entry
+    return sys.getsizeof(key) + 32 * len(key) + sys.getsizeof(messages) + sys.getsizeof(text) + 64
+
+
+class IncrementalRenderer:
+    """Renders a split template, reusing each message's body output while its window is unchanged. The outputs
+    live in :class:`Memo` caches, within the shared cache budget."""
+
+    def __init__(self, split: SplitTemplate, *, generations: int = 4) -> None:
+        self.split = split
+        self._generations = generations
+        # One memo per generation (what the head leaves for the body), newest last: a caller that alternates
+        # between, say, counting with and without tools keeps both.
+        self._memos: dict[Any, Memo[Any, _Entry]] = {}
+        self._previous: dict[Any, Previous] = {}  # per generation: what the last call left
+        self._lock = threading.Lock()  # a memo and its generation change together
+        self.reused = 0
+
+    def render(self, context: dict[str, Any]) -> str:
+        """The same text as rendering the whole template with ``context``."""
+        return "".join(self.render_segments(context))
+
+    def render_segments(self, context: dict[str, Any]) -> list[str]:
+        """That text in pieces whose concatenation it is: the head's output, each message's body output and the
+        tail's (the very same string objects while reused, so counts can be cached by them); one piece when the
+        template had to be rendered whole."""
+        with self._lock:
+            return self._render(context)
+
+    def _render(self, context: dict[str, Any]) -> list[str]:
+        split = self.split
+        module = split.head.make_module(context)
+        head_text = str(module)
+        scope = {**context, **{k: v for k, v in vars(module).items() if not k.startswith("_")}}
+        messages = scope["messages"]
+        marks = guard_marks(split, scope, len(messages))
+        if marks is None:
+            assert split.whole is not None
+            return [split.whole.render(context)]
+        generation = generation_key(split, head_text, scope)
+        memo = self._memo(generation)
+        previous = self._previous.get(generation)
+        plan = plan_render(
+            previous,
+            messages,
+            marks,
+            reach=split.reach,
+            positional=split.positional,
+            guarded=bool(split.guards),
+        )
+        found, misses = self._look_up(memo, plan, messages, marks)
+        if misses > BATCH:  # only when many are new is one whole (marked) render cheaper
+            cut = self._render_marked(context, head_text, len(messages))
+            if cut is not None:
+                bodies, tail_text = cut
+                self._keep_all(memo, messages, marks, bodies)
+                self._remember(generation, Previous(list(messages), bodies, marks))
+                return [head_text, *bodies, tail_text]
+        texts = self._bodies(plan, previous, found, memo, scope, marks)
+        tail_text = split.tail.render(scope)
+        self._remember(generation, Previous(list(messages), texts, marks))
+        return [head_text, *texts, tail_text]
+
+    def _memo(self, generation: Any) -> Memo[Any, _Entry]:
+        """The body outputs kept for ``generation``, made the newest."""
+        memo = self._memos.pop(generation, None)
+        if memo is None:
+            memo = Memo("incremental.bodies", sizer=_body_size)
+        self._memos[generation] = memo
+        self._keep_newest(self._memos)
+        return memo
+
+    def _remember(self, generation: Any, previous: Previous) -> None:
+        self._previous[generation] = previous
+        self._keep_newest(self._previous)
+
+    def _keep_newest(self, per_generation: dict[Any, Any]) -> None:
+        while len(per_generation) > self._generations:
+            del per_generation[next(iter(per_generation))]
+
+    def _look_up(
+        self, memo: Memo[Any, _Entry], plan: RenderPlan, messages: Sequence[Any], marks: Sequence[tuple[Any, ...]]
+    ) -> tuple[dict[int, str], int]:
+        """The outputs the memo holds for the bodies the plan does not take whole, and how many it lacks."""
+        indexes = (*plan.before, *plan.middle)
+        if not memo:  # an empty memo (a first render) has nothing to find
+            return {}, len(indexes)
+        split = self.split
+        found: dict[int, str] = {}
+        misses = 0
+        for index in indexes:
+            seen = window(messages, index, split.reach)
+            known = memo.get(body_key(split.positional, index, plan.count, marks, seen))
+            if (
+                known is not None
+                and len(known[0]) == len(seen)
+                and all(a is b for a, b in zip(known[0], seen, strict=True))
+            ):
+                found[index] = known[1]
+            else:
+                misses += 1
+        return found, misses
+
+    def _keep_all(
+        self, memo: Memo[Any, _Entry], messages: Sequence[Any], marks: Sequence[tuple[Any, ...]], bodies: list[str]
+    ) -> None:
+        """Remember every body output of a marked render."""
+        split, count = self.split, len(messages)
+        windows = [window(messages, index, split.reach) for index in range(len(bodies))]
+        memo.put_many(
+            (body_key(split.positional, index, count, marks, seen), (seen, text))
+            for index, (seen, text) in enumerate(zip(windows, bodies, strict=True))
+        )
+
+    def _render_marked(self, context: dict[str, Any], head_text: str, count: int) -> tuple[list[str], str] | None:
+        """Every body's output from one whole render, or None when the cut is not clean."""
+        parts = self.split.marked.render(context).split(SENTINEL)
+        if len(parts) != count + 1 or not parts[0].startswith(head_text):
+            return None  # a message contains the sentinel, or the head rendered differently (a date rolled over)
+        bodies = [parts[0][len(head_text) :], *parts[1:count]] if count else []
+        tail = parts[count] if count else parts[0][len(head_text) :]
+        return bodies, tail
+
+    def _bodies(
+        self,
+        plan: RenderPlan,
+        previous: Previous | None,
+        found: dict[int, str],
+        memo: Memo[Any, _Entry],
+        scope: dict[str, Any],
+        marks: Sequence[tuple[Any, ...]],
+    ) -> list[str]:
+        """Each body's output, in order: found in the memo, taken whole from the previous call, or rendered."""
+        split = self.split
+        messages = scope["messages"]
+        count = plan.count
+
+        def body_of(index: int) -> str:
+            known = found.get(index)
+            if known is not None:
+                self.reused += 1
+                return known
+            seen = window(messages, index, split.reach)
+            local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
+            local.update(zip((guard.name for guard in split.guards), marks[index], strict=True))
+            text = split.body.render(local)
+            memo.put(body_key(split.positional, index, count, marks, seen), (seen, text))
+            return text
+
+        texts = [body_of(index) for index in plan.before]
+        last_texts = previous.texts if previous is not None else ()
+        texts.extend(last_texts[plan.reuse_from : plan.reuse_to] if plan.kept else ())
+        texts.extend(body_of(index) for index in plan.middle)
+        texts.extend(last_texts[plan.tail_from - plan.shift :] if plan.moved else ())
+        self.reused += plan.taken
+        return texts

@@ -1,0 +1,277 @@
+"""Cutting a chat template at its message loop, when a sequence of named checks proves that safe."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import jinja2.meta
+from jinja2 import Template, nodes
+
+from .guards import Guard, take_guards
+from .scan import stop_scans
+from .syntax import IMPURE, LOOP_ATTRIBUTES, body_reach, message_reads, parents_of, reads_position, walk
+
+# Written after every loop iteration by the marked template, to cut one whole render into per-message outputs.
+# Private-use characters around a fixed tag; if a message happens to contain it, the cut is refused (count check).
+SENTINEL = "\ue000contextkeeper-body-end\ue001"
+
+
+@dataclass(frozen=True)
+class SplitTemplate:
+    """A template cut into the part before its message loop, the loop body, and the part after it."""
+
+    marked: Template  # the template with SENTINEL written after each loop iteration
+    head: Template
+    body: Template
+    tail: Template
+    target: str  # the loop variable's name
+    reach: int  # how far the body looks at neighbours: messages[loop.index0 ± reach]
+    # Whether the body reads its position (loop.index / index0 other than to pick a neighbour). When it does not,
+    # a body's output depends only on its window and on being first or last, so it can be reused when the
+    # window shifts (a conversation whose oldest messages were dropped).
+    positional: bool = True
+    # Comparisons of the position with loop-wide values, replaced in ``body`` by variables (see Guard).
+    guards: tuple[Guard, ...] = ()
+    # The names the body reads from the render's context (None: it may read any, e.g. through a macro).
+    reads: frozenset[str] | None = None
+    whole: Template | None = None  # the template itself, for a render the guards cannot decide
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a template is rendered whole: the check that refused it (a name in :data:`CHECKS`, or ``parses`` /
+    ``compiles`` when the template or a part of it does not) and what it found, with its line."""
+
+    check: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A parsed template and the parts of it the checks look at (each computed once, when first asked for)."""
+
+    ast: nodes.Template
+
+    @cached_property
+    def loops(self) -> list[int]:
+        """Positions of the top-level ``{% for ... in messages %}`` loops."""
+        return [
+            i
+            for i, node in enumerate(self.ast.body)
+            if isinstance(node, nodes.For) and isinstance(node.iter, nodes.Name) and node.iter.name == "messages"
+        ]
+
+    @cached_property
+    def loop(self) -> nodes.For:
+        """The message loop (once ``one_message_loop`` has passed)."""
+        loop = self.ast.body[self.loops[0]]
+        assert isinstance(loop, nodes.For)
+        return loop
+
+    @cached_property
+    def body(self) -> nodes.Template:
+        return nodes.Template(list(self.loop.body), lineno=self.loop.lineno)
+
+    @cached_property
+    def parents(self) -> dict[int, nodes.Node]:
+        return parents_of(self.ast)
+
+    @cached_property
+    def macros(self) -> dict[str, nodes.Macro]:
+        return {macro.name: macro for macro in self.ast.find_all(nodes.Macro)}
+
+
+Check = Callable[[Parsed], str | None]
+# The checks, in the order they run; each returns None (passed) or why it refuses, and may assume the ones
+# before it passed. The head and the tail are rendered afresh on every call, so they may read anything; what
+# the head leaves for the body (its output and variables) is part of the key under which body outputs are kept.
+CHECKS: dict[str, Check] = {}
+
+
+def _check(function: Check) -> Check:
+    CHECKS[function.__name__] = function
+    return function
+
+
+def _first(found: Iterable[nodes.Node], what: str) -> str | None:
+    """``what``, with the line of the first node ``found``; None when there is none."""
+    node = next(iter(found), None)
+    return None if node is None else f"{what} (line {node.lineno})"
+
+
+@_check
+def one_message_loop(parsed: Parsed) -> str | None:
+    count = len(parsed.loops)
+    if count == 0:
+        return "no top-level `{% for ... in messages %}` loop (it loops inside an `if`, or over another list)"
+    if count > 1:
+        return f"{count} top-level loops over `messages`; only a template with one can be cut"
+    return None
+
+
+@_check
+def plain_loop(parsed: Parsed) -> str | None:
+    loop = parsed.loop
+    if loop.test is not None:
+        return f"the message loop is filtered (`for ... if ...`, line {loop.lineno}): positions are not the list's"
+    if loop.else_:
+        return f"the message loop has an `else` (line {loop.lineno})"
+    if loop.recursive:
+        return f"the message loop is recursive (line {loop.lineno})"
+    if not isinstance(loop.target, nodes.Name):
+        return f"the message loop unpacks its items (line {loop.lineno})"
+    return None
+
+
+@_check
+def neighbours_only(parsed: Parsed) -> str | None:
+    far = (name for name, offset in message_reads(parsed.body, parsed.parents) if offset is None)
+    return _first(far, "the body reads `messages` other than as messages[loop.index0 ± c]")
+
+
+@_check
+def no_nested_message_loop(parsed: Parsed) -> str | None:
+    # Inside a nested loop, ``loop`` is that loop's: a messages[loop.index0 + c] there is no neighbour.
+    nested = (
+        inner
+        for inner in walk(parsed.body)
+        if isinstance(inner, nodes.For) and any(isinstance(n, nodes.Name) and n.name == "messages" for n in walk(inner))
+    )
+    return _first(nested, "a loop inside the body reads `messages`")
+
+
+@_check
+def no_macros_or_jumps(parsed: Parsed) -> str | None:
+    kinds = (nodes.Macro, nodes.CallBlock, nodes.Break, nodes.Continue, nodes.Extends)
+    return _first((n for n in walk(parsed.body) if isinstance(n, kinds)), "the body defines a macro or jumps")
+
+
+@_check
+def no_imports(parsed: Parsed) -> str | None:
+    kinds = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Block)
+    return _first((n for n in walk(parsed.body) if isinstance(n, kinds)), "the body includes, imports or has a block")
+
+
+@_check
+def no_namespace_writes(parsed: Parsed) -> str | None:
+    writes = (
+        n
+        for n in walk(parsed.body)
+        if isinstance(n, (nodes.Assign, nodes.AssignBlock)) and isinstance(n.target, nodes.NSRef)
+    )
+    return _first(writes, "the body writes a namespace, which carries state from one message to the next")
+
+
+@_check
+def no_impure_calls(parsed: Parsed) -> str | None:
+    impure = (n for n in walk(parsed.body) if isinstance(n, nodes.Name) and n.name in IMPURE)
+    return _first(impure, f"the body uses one of {', '.join(sorted(IMPURE))} (a date, or state across messages)")
+
+
+@_check
+def loop_position_only(parsed: Parsed) -> str | None:
+    def allowed(node: nodes.Node) -> bool:
+        parent = parsed.parents.get(id(node))
+        return isinstance(parent, nodes.Getattr) and parent.attr in LOOP_ATTRIBUTES
+
+    use = next(
+        (n for n in walk(parsed.body) if isinstance(n, nodes.Name) and n.name == "loop" and not allowed(n)), None
+    )
+    if use is None:
+        return None
+    parent = parsed.parents.get(id(use))
+    what = f"loop.{parent.attr}" if isinstance(parent, nodes.Getattr) else "`loop` itself"
+    per_message = ", ".join(f"loop.{name}" for name in sorted(LOOP_ATTRIBUTES))
+    return f"the body reads {what} (line {use.lineno}); only {per_message} are per message"
+
+
+@_check
+def no_side_effects(parsed: Parsed) -> str | None:
+    # {% do x.append(...) %}: a side effect the sandbox may or may not refuse.
+    calls = (
+        n
+        for n in walk(parsed.body)
+        if isinstance(n, nodes.ExprStmt) and any(isinstance(c, nodes.Call) for c in walk(n))
+    )
+    return _first(calls, "the body calls something for its effect (`{% do ... %}`)")
+
+
+@_check
+def no_macro_reads_messages(parsed: Parsed) -> str | None:
+    # A macro runs with the template's globals: one that reads the messages (or the clock) would let the body
+    # see beyond its window through a call.
+    macros = parsed.macros
+    tainted = any(
+        isinstance(n, nodes.Name) and (n.name == "messages" or n.name in IMPURE)
+        for macro in macros.values()
+        for n in walk(macro)
+    )
+    calls = (
+        call
+        for call in walk(parsed.body)
+        if isinstance(call, nodes.Call) and isinstance(call.node, nodes.Name) and call.node.name in macros
+    )
+    return None if not tainted else _first(calls, "the body calls a macro, and a macro reads `messages` or the clock")
+
+
+def try_split(template: Template, source: str) -> SplitTemplate | Refusal:
+    """``source`` cut at its message loop, or the first check that refuses to (see :data:`CHECKS`)."""
+    env = template.environment
+    try:
+        parsed = Parsed(env.parse(source))
+    except Exception as exc:  # a template that does not parse here is rendered whole (and fails there, clearly)
+        return Refusal("parses", f"the template does not parse: {exc}")
+    for name, check in CHECKS.items():
+        reason = check(parsed)
+        if reason is not None:
+            return Refusal(name, reason)
+    return _cut(template, parsed)
+
+
+def split_template(template: Template, source: str) -> SplitTemplate | None:
+    """Cut ``source`` at its message loop when the loop body provably depends only on its own window."""
+    split = try_split(template, source)
+    return split if isinstance(split, SplitTemplate) else None
+
+
+def _cut(template: Template, parsed: Parsed) -> SplitTemplate | Refusal:
+    """The head, body, tail and marked whole of a template every check passed (refused if one does not compile)."""
+    env: Any = template.environment
+    ast, loop, position = parsed.ast, parsed.loop, parsed.loops[0]
+    head_nodes, tail_nodes = stop_scans(ast.body[:position]), ast.body[position + 1 :]
+    reach = body_reach(parsed.body, parsed.parents)
+    assert reach is not None  # neighbours_only passed
+    marked_loop = nodes.For(
+        loop.target,
+        loop.iter,
+        [*loop.body, nodes.Output([nodes.TemplateData(SENTINEL)])],
+        loop.else_,
+        loop.test,
+        loop.recursive,
+        lineno=loop.lineno,
+    )
+    assert isinstance(loop.target, nodes.Name)  # plain_loop passed
+    guarded, guards = take_guards(parsed.body, env, loop.target.name)
+    reads = None if parsed.macros else frozenset(jinja2.meta.find_undeclared_variables(guarded))
+    try:
+        marked = env.from_string(nodes.Template([*head_nodes, marked_loop, *tail_nodes], lineno=1))
+        head = env.from_string(nodes.Template(list(head_nodes), lineno=1))
+        body = env.from_string(guarded)
+        tail = env.from_string(nodes.Template(list(tail_nodes), lineno=1))
+    except Exception as exc:
+        return Refusal("compiles", f"a part of the cut template does not compile: {exc}")
+    return SplitTemplate(
+        marked=marked,
+        head=head,
+        body=body,
+        tail=tail,
+        target=loop.target.name,
+        reach=reach,
+        positional=reads_position(guarded, parents_of(guarded)),
+        guards=guards,
+        reads=reads,
+        whole=template,
+    )
