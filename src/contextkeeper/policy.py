@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 from pydantic import ConfigDict, Field, model_validator
 
 from ._exceptions import ConfigurationError, PolicyError
+from ._memo import memoize
 from .strategies._settings import Settings
 from .strategies.base import Always, OverBudget, Pipeline, Trigger, TurnCount, build_strategy, settings_model
 
@@ -296,7 +297,6 @@ def _builtin() -> tuple[Policy, ...]:
 # ------------------------------------------------------------------------------------------- your own policies
 
 _REGISTERED: list[Path] = []
-_LOADED: dict[Path, tuple[tuple[int, int], Policy]] = {}  # file -> ((mtime_ns, size), policy)
 
 
 def register_policy_path(*paths: str | os.PathLike[str]) -> None:
@@ -337,12 +337,14 @@ def _user_policies() -> list[Policy]:
     policies = []
     for file in user_policy_files():
         stat = file.stat()
-        version = (stat.st_mtime_ns, stat.st_size)
-        known = _LOADED.get(file)
-        if known is None or known[0] != version:
-            known = _LOADED[file] = (version, load_policy(file))
-        policies.append(known[1])
+        policies.append(_load_version(file, (stat.st_mtime_ns, stat.st_size)))
     return policies
+
+
+@memoize("policy.files", sizer=lambda key, policy: 2048 + 512 * len(policy.steps))
+def _load_version(file: Path, version: tuple[int, int]) -> Policy:
+    """One version (mtime, size) of a policy file, parsed once while it stays in the shared cache."""
+    return load_policy(file)
 
 
 def _is_path(policy: str) -> bool:
