@@ -19,72 +19,7 @@ from contextkeeper.keeper import ContextKeeper, RequestTooLarge
 from contextkeeper.policy import Policy, PolicyStep
 from contextkeeper.strategies import Foresight, Pipeline, build_strategy
 from conversations import TOOLS
-
-QWEN = "Qwen-Qwen2.5-7B-Instruct"
-
-
-_COUNTERS: dict[tuple[str, str], Any] = {}
-
-
-def keeper(context: int, *steps: PolicyStep, name: str = QWEN, vocab: str = "qwen2", **kwargs: Any) -> ContextKeeper:
-    """A fresh keeper (its own session) on a shared counter (loading a tokenizer takes a second or two)."""
-    if (name, vocab) not in _COUNTERS:
-        _COUNTERS[name, vocab] = ck.HFChatTemplateCounter(hf_tokenizer(vocab), chat_template=template(name), name=name)
-    policy = Policy(name="test", steps=steps, horizon=0)
-    return ContextKeeper(_COUNTERS[name, vocab], context_window=context, policy=policy, **kwargs)
-
-
-def agent_chat(turns: int, result_words: int = 120) -> list[dict[str, Any]]:
-    """A system prompt, then turns of user -> assistant tool call -> tool result -> assistant answer."""
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a travel agent. Never book without consent."}
-    ]
-    for t in range(turns):
-        messages.append({"role": "user", "content": f"Turn {t}: find flights to city {t} under {100 + t} EUR."})
-        call_id = f"call{t:05d}"  # 9 letters or digits: valid for Mistral too
-        args = json.dumps({"city": f"city {t}", "max_price": 100 + t})
-        messages.append(
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {"id": call_id, "type": "function", "function": {"name": "search_flights", "arguments": args}}
-                ],
-            }
-        )
-        rows = " ".join(f"flight F{t}{i} departs {i:02d}:15 costs {90 + i} EUR;" for i in range(result_words // 8))
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": rows})
-        messages.append({"role": "assistant", "content": f"I found {result_words // 8} flights to city {t}."})
-    messages.append({"role": "user", "content": "Book the cheapest one to the last city, please."})
-    return messages
-
-
-def plain_chat(turns: int) -> list[dict[str, Any]]:
-    """Alternating user / assistant turns without tools (for templates that accept nothing else)."""
-    messages: list[dict[str, Any]] = []
-    for t in range(turns):
-        messages.append({"role": "user", "content": f"Question {t}: what is {t} squared, and why? " * 8})
-        messages.append({"role": "assistant", "content": f"{t} squared is {t * t}, because {t} times {t}. " * 8})
-    messages.append({"role": "user", "content": "Summarise what we did."})
-    return messages
-
-
-def check_invariants(k: ContextKeeper, messages: list[Any], fit: ck.keeper.Fit, tools: Any, max_tokens: int) -> None:
-    counter = k.counter
-    assert fit.tokens == counter.reference_count(fit.messages, tools=tools)  # exact through apply_chat_template
-    assert fit.tokens + max_tokens <= k.limit
-    system = [m for m in messages if m.get("role") == "system"][:1]
-    assert fit.messages[: len(system)] == system
-    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    request = messages[last_user:]
-    assert fit.messages[-len(request) :] == request
-    ck.Conversation.from_messages(fit.messages)  # no orphaned call or result
-    # Order kept, untouched messages equal their input: each output message is an input message (in order) or
-    # a strategy's rewrite of one.
-    position = 0
-    for message in fit.messages:
-        if message in messages[position:]:
-            position = messages.index(message, position) + 1
+from strategy_state import QWEN, agent_chat, check_invariants, keeper, plain_chat
 
 
 def test_a_conversation_that_fits_comes_back_unchanged() -> None:
@@ -98,22 +33,6 @@ def test_a_conversation_that_fits_comes_back_unchanged() -> None:
     assert fit.report.actions == ()
     assert sum(v for s, v in fit.report.slots.items() if s != "answer") == fit.tokens
     check_invariants(k, messages, fit, TOOLS, 1024)
-
-
-def test_sliding_window_keeps_the_longest_suffix_of_whole_turns() -> None:
-    k = keeper(4096)
-    messages = agent_chat(30)
-    original = copy.deepcopy(messages)
-    fit = k.fit(messages, tools=TOOLS, max_tokens=512)
-    assert messages == original  # the caller's list is never mutated
-    check_invariants(k, messages, fit, TOOLS, 512)
-    assert fit.messages[1]["role"] == "user"  # history starts on a user turn
-    assert [a.strategy for a in fit.report.actions] == ["sliding_window"]
-    # The best whole-turn suffix: one more turn would not fit.
-    dropped = messages.index(fit.messages[1])
-    previous_user = max(i for i in range(1, dropped) if messages[i]["role"] == "user")
-    longer = [messages[0], *messages[previous_user:]]
-    assert k.count(longer, tools=TOOLS) + 512 > k.limit
 
 
 @pytest.mark.parametrize(("name", "vocab"), [(QWEN, "qwen2"), ("meta-llama-Llama-3.3-70B-Instruct", "llama-bpe")])
@@ -139,64 +58,6 @@ def test_request_too_large_says_by_how_much_and_what_to_do() -> None:
     assert "over the limit of 600" in text
     assert "lower max_tokens" in text
     assert "tools" in text
-
-
-def test_prune_clears_old_results_in_batches_and_keeps_pairs() -> None:
-    k = keeper(6000, PolicyStep(strategy="prune_tool_results", keep_last=2, clear_at_least=500))
-    messages = agent_chat(25)
-    fit = k.fit(messages, tools=TOOLS, max_tokens=512)
-    check_invariants(k, messages, fit, TOOLS, 512)
-    cleared = [m for m in fit.messages if m["role"] == "tool" and str(m["content"]).startswith("[tool result cleared")]
-    kept = [m for m in fit.messages if m["role"] == "tool" and not str(m["content"]).startswith("[tool result")]
-    assert cleared
-    assert len(kept) >= 2
-    prune = next(a for a in fit.report.actions if a.strategy == "prune_tool_results")
-    assert prune.saved > 0
-    # Cleared results stay cleared next turn (stable prefix), even though the new turn alone is below the batch.
-    messages2 = [*messages, {"role": "assistant", "content": "Booked."}, {"role": "user", "content": "Thanks!"}]
-    fit2 = k.fit(messages2, tools=TOOLS, max_tokens=512)
-    cleared2 = [
-        m for m in fit2.messages if m["role"] == "tool" and str(m["content"]).startswith("[tool result cleared")
-    ]
-    assert {m["tool_call_id"] for m in cleared} <= {m["tool_call_id"] for m in cleared2} | {
-        m["tool_call_id"] for m in messages if m not in fit2.messages and m["role"] == "tool"
-    }
-
-
-def test_prune_excluded_tools_are_never_cleared() -> None:
-    k = keeper(
-        6000,
-        PolicyStep(strategy="prune_tool_results", keep_last=0, clear_at_least=0, exclude_tools=("search_flights",)),
-    )
-    fit = k.fit(agent_chat(25), tools=TOOLS, max_tokens=512)
-    assert not any(str(m.get("content")).startswith("[tool result cleared") for m in fit.messages)
-
-
-def test_truncate_cuts_to_an_exact_cap() -> None:
-    k = keeper(32768, PolicyStep(strategy="truncate", max_tokens=200, when="always"))
-    messages = agent_chat(2, result_words=2000)
-    fit = k.fit(messages, tools=TOOLS, max_tokens=512)
-    check_invariants(k, messages, fit, TOOLS, 512)
-    tool_texts = [m["content"] for m in fit.messages if m["role"] == "tool"]
-    counter = k.counter
-    assert all(counter.text_tokens(t) <= 200 for t in tool_texts)  # type: ignore[attr-defined]
-    assert all("characters cut" in t for t in tool_texts)
-    assert max(counter.text_tokens(t) for t in tool_texts) >= 190  # type: ignore[attr-defined]  # as long as the cap allows
-
-
-def test_dedupe_marks_earlier_copies() -> None:
-    k = keeper(32768, PolicyStep(strategy="dedupe", when="always", min_chars=10))
-    messages = agent_chat(3)
-    repeated = "Please remember: my passport number is X1234567 and I prefer aisle seats."
-    messages.insert(1, {"role": "user", "content": repeated})
-    messages.insert(2, {"role": "assistant", "content": "Noted."})
-    messages.insert(-1, {"role": "user", "content": repeated})
-    messages.insert(-1, {"role": "assistant", "content": "Noted again."})
-    fit = k.fit(messages, tools=TOOLS, max_tokens=512)
-    check_invariants(k, messages, fit, TOOLS, 512)
-    texts = [m.get("content") for m in fit.messages]
-    assert texts.count(repeated) == 1
-    assert texts.index(repeated) > texts.index("[repeated later in the conversation]")
 
 
 def test_limit_from_model_and_gpu() -> None:
@@ -352,27 +213,6 @@ def test_an_earlier_message_edited_in_place_is_counted_as_it_is_now() -> None:
     assert messages[target] in fit.messages
 
 
-def test_the_window_leaves_the_slack_free_and_stops_within_the_tolerance() -> None:
-    # When units must go the kept prompt ends at most at limit * (1 - slack), and either within ``tolerance`` of
-    # that mark or as the longest suffix under it (one more user turn would cross the mark).
-    from contextkeeper.strategies.sliding_window import SlidingWindow
-
-    window = SlidingWindow()
-    for turns, context in ((30, 4096), (60, 6000), (90, 3000)):
-        k = keeper(context)
-        messages = agent_chat(turns)
-        fit = k.fit(messages, tools=TOOLS, max_tokens=512)
-        check_invariants(k, messages, fit, TOOLS, 512)
-        assert [a.strategy for a in fit.report.actions] == ["sliding_window"]
-        budget = k.limit - 512
-        mark = int(budget * (1 - window.slack))
-        assert fit.tokens <= mark
-        if fit.tokens < mark - int(budget * window.tolerance):
-            dropped = messages.index(fit.messages[1])
-            previous_user = max(i for i in range(1, dropped) if messages[i]["role"] == "user")
-            assert k.count([messages[0], *messages[previous_user:]], tools=TOOLS) > mark
-
-
 def test_the_report_counts_its_slots_when_read_and_survives_pickling() -> None:
     import pickle
 
@@ -473,28 +313,6 @@ def test_the_horizon_reads_old_tool_results_at_their_cleared_size(monkeypatch: p
     # Older history went unread, so the slack is left free as when the window drops units.
     assert aware_fit.report.unread > 0
     assert 0.9 * (context - answer) <= aware_fit.tokens <= 0.95 * (context - answer)
-
-
-def test_after_a_cut_the_window_leaves_the_slack_free_even_when_the_history_fits() -> None:
-    from contextkeeper.keeper import _assemble
-    from contextkeeper.strategies import FitState, Item
-    from contextkeeper.strategies.sliding_window import SlidingWindow
-
-    counter = keeper(4096).counter
-    conversation = ck.Conversation.from_messages(agent_chat(12))
-    units = [tuple(Item(m, i) for i, m in zip(u.indices, u.messages, strict=True)) for u in conversation.units()]
-    system, *history, request = units
-
-    def count(kept: Any) -> int:
-        return counter.count(_assemble((system, *kept, request)), tools=TOOLS)
-
-    limit = int(count(history) / 0.97)  # the history fits, above the 95% mark
-    state = FitState(system=system, history=tuple(history), request=request, limit=limit, count=count)
-    assert SlidingWindow().apply(state) is state
-    cut = SlidingWindow(after_cut=True).apply(state)
-    assert [a.strategy for a in cut.actions] == ["sliding_window"]
-    assert cut.tokens() <= 0.95 * limit
-    assert cut.history == state.history[len(state.history) - len(cut.history) :]
 
 
 def test_strategies_say_what_they_leave_of_a_message() -> None:

@@ -18,7 +18,7 @@ from contextkeeper.cli import main
 from contextkeeper.keeper import ContextKeeper
 from contextkeeper.policy import policy_files, resolve_policy
 from conversations import TOOLS
-from test_keeper import agent_chat, check_invariants, plain_chat
+from strategy_state import agent_chat, check_invariants, plain_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
 import json
 import subprocess
 import sys
@@ -354,13 +353,6 @@ def test_every_name_users_need_is_top_level_or_listed_as_internal() -> None:
     assert stale == [], "delete these lines: the name is exported now, or the rule no longer covers it"
     assert set(INTERNAL).isdisjoint(NOT_YET_EXPORTED)
     assert all(reason.strip() for reason in INTERNAL.values())
-
-
-def test_errors_form_one_tree() -> None:
-    for name in ck.__all__:
-        value = getattr(ck, name)
-        if inspect.isclass(value) and issubclass(value, Exception) and not issubclass(value, Warning):
-            assert issubclass(value, ck.ContextKeeperError), name
 
 
 def test_submodules_are_attributes_before_anything_imports_them() -> None:

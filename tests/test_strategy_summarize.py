@@ -20,7 +20,7 @@ import strategy_state
 from contextkeeper import Conversation
 from contextkeeper._exceptions import ConfigurationError
 from contextkeeper.strategies._facts import Fact, Source, extract, missing, normalize
-from contextkeeper.strategies.base import STRATEGIES, FitState, Item, LLMCall, Unit, run_async, run_sync
+from contextkeeper.strategies.base import STRATEGIES, FitState, Item, Items, LLMCall, run_async, run_sync
 from contextkeeper.strategies.summarize import ACKNOWLEDGEMENT, SUMMARY_PREFIX, Summarize
 
 # ------------------------------------------------------------------------------------------- fixtures
@@ -109,7 +109,7 @@ def counter() -> Any:
     return contextkeeper.load_counter("mistral:tekken")
 
 
-def _units(messages: Sequence[dict[str, Any]]) -> tuple[Unit, ...]:
+def _units(messages: Sequence[dict[str, Any]]) -> tuple[Items, ...]:
     conversation = Conversation.from_messages(list(messages))
     return tuple(
         tuple(Item(message, origin=index) for index, message in zip(unit.indices, unit.messages, strict=True))
@@ -117,13 +117,13 @@ def _units(messages: Sequence[dict[str, Any]]) -> tuple[Unit, ...]:
     )
 
 
-def _dicts(units: Sequence[Unit]) -> list[dict[str, Any]]:
+def _dicts(units: Sequence[Items]) -> list[dict[str, Any]]:
     return [item.message.to_dict() for unit in units for item in unit]
 
 
 def make_state(
     counter: Any,
-    history: Sequence[dict[str, Any]] | tuple[Unit, ...] = HISTORY,
+    history: Sequence[dict[str, Any]] | tuple[Items, ...] = HISTORY,
     *,
     limit: int = 100_000,
     memory: dict[str, Any] | None = None,

@@ -96,10 +96,13 @@ class ModelConfigError(ConfigurationError, ValueError):
 class _WithMatches(ConfigurationError, LookupError):
     """A name that matched nothing; ``matches`` holds the closest known names (possibly empty)."""
 
-    def __init__(self, message: str, *, matches: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, *, matches: tuple[str, ...] = (), fix: str | None = None) -> None:
         self.matches = tuple(matches)
         if self.matches:
             message = f"{message.rstrip('.')}. Did you mean: {', '.join(self.matches)}?"
+        if fix:
+            message = f"{message if message.endswith(('.', '?')) else message + '.'} Fix: {fix}"
+        self.fix = fix
         super().__init__(message)
 
 

@@ -22,7 +22,7 @@ from .messages import Conversation, Message, MessageLike, _group_units, _restore
 from .report import Fit, FitReport, _Breakdown
 from .session import Session, Sticky
 from .strategies._turn import compact_turn
-from .strategies.base import Action, FitState, Foresight, Item, LLMCall, Pipeline, Unit, run_sync
+from .strategies.base import Action, FitState, Foresight, Item, Items, LLMCall, Pipeline, run_sync
 from .strategies.sliding_window import SlidingWindow
 from .tokens import PromptBounding, ToolFreezing
 from .tokens.breakdown import head_counts, prompt_slots
@@ -60,7 +60,7 @@ def _chars(message: Any) -> int:
     return size + (len(str(calls)) if calls else 0)
 
 
-def assemble(units: Sequence[Unit]) -> Conversation:
+def assemble(units: Sequence[Items]) -> Conversation:
     """A Conversation of already validated units, without validating them again (the counter takes it as is).
     Strategies keep each unit's shape (a rewritten tool result keeps its call id), and the fit is validated
     at the end by the invariant check; the units are grouped only if a counter asks for them."""
@@ -136,7 +136,7 @@ class Counts:
     """The exact counts of one read: each distinct history counted once, however often strategies and triggers
     ask, and the never-trimmed parts (system prompt, request, tools) once, when first needed."""
 
-    def __init__(self, session: Session, ask: Ask, system: Unit, request: Unit) -> None:
+    def __init__(self, session: Session, ask: Ask, system: Items, request: Items) -> None:
         self._session = session
         self._tools = ask.tools
         self.system = system
@@ -144,19 +144,19 @@ class Counts:
         self._limit = ask.budget.prompt
         self.fixed: int | None = None  # the never-trimmed parts, once counted
         # By the ids of a history's units; each entry holds the units, so their ids are not reused while it lives.
-        self._by_units: dict[tuple[int, ...], tuple[tuple[Unit, ...], int]] = {}
+        self._by_units: dict[tuple[int, ...], tuple[tuple[Items, ...], int]] = {}
         # The same by the tuple itself: a state's own history, asked for again, is found without a pass over its
         # units (tuples only: a list may change between two calls).
-        self._by_object: dict[int, tuple[tuple[Unit, ...], int]] = {}
+        self._by_object: dict[int, tuple[tuple[Items, ...], int]] = {}
 
-    def compacted(self, request: Unit) -> None:
+    def compacted(self, request: Items) -> None:
         """The request was compacted (its older tool rounds cut): counts made with the old one no longer hold."""
         self.request = request
         self.fixed = None
         self._by_units.clear()
         self._by_object.clear()
 
-    def known(self, units: Sequence[Unit]) -> int | None:
+    def known(self, units: Sequence[Items]) -> int | None:
         hit = self._by_object.get(id(units))
         if hit is not None and hit[0] is units:
             return hit[1]
@@ -167,7 +167,7 @@ class Counts:
             self._by_object[id(units)] = (units, entry[1])
         return entry[1]
 
-    def count(self, units: Sequence[Unit]) -> int:
+    def count(self, units: Sequence[Items]) -> int:
         """Exact prompt tokens with ``units`` as history."""
         if not units:
             return self.base()
@@ -179,7 +179,7 @@ class Counts:
                 self._by_object[id(units)] = (units, tokens)
         return tokens
 
-    def peek(self, units: Sequence[Unit]) -> int | None:
+    def peek(self, units: Sequence[Items]) -> int | None:
         """The count of ``units`` if it was made, without counting."""
         return self.fixed if not units else self.known(units)
 
@@ -208,7 +208,7 @@ class Draft:
     horizon: int
     conversation: Conversation
     counts: Counts
-    initial: tuple[Unit, ...]
+    initial: tuple[Items, ...]
     state: FitState
 
     @property
@@ -398,14 +398,14 @@ def _horizon(setup: Setup, ask: Ask, per_token: float) -> int:
 
 def _units(
     conversation: Conversation, sticky: Sticky | None, sys_end: int, horizon: int, last_user: int
-) -> tuple[Unit, list[Unit], Unit]:
+) -> tuple[Items, list[Items], Items]:
     """System, history units and request of ``conversation`` (the caller's messages ``[:sys_end]`` and
     ``[horizon:]``), with the previous fit's rewrites re-applied."""
     origins = [*range(sys_end), *range(horizon, horizon + len(conversation) - sys_end)]
     items = [Item(message, index) for message, index in zip(conversation.messages, origins, strict=True)]
-    system: Unit = tuple(items[:sys_end])
-    request: Unit = tuple(item for item in items[sys_end:] if item.origin is not None and item.origin >= last_user)
-    history: list[Unit] = []
+    system: Items = tuple(items[:sys_end])
+    request: Items = tuple(item for item in items[sys_end:] if item.origin is not None and item.origin >= last_user)
+    history: list[Items] = []
     for unit in conversation.units():
         unit_items = tuple(items[i] for i in unit.indices)
         if unit_items and unit_items[0].origin is not None and sys_end <= unit_items[0].origin < last_user:
@@ -428,7 +428,7 @@ def _units(
 
 def _grown(
     conversation: Conversation, sticky: Sticky | None, sys_end: int, horizon: int, last_user: int
-) -> tuple[Unit, list[Unit], Unit] | None:
+) -> tuple[Items, list[Items], Items] | None:
     """What :func:`_units` returns, built from the previous fit when the chat only grew since: its fitted history
     (every rewrite already applied) plus the units that arrived, so a turn costs what it added.
 
@@ -450,7 +450,7 @@ def _grown(
     if not sys_end <= first_new <= first_request <= len(messages):
         return None
     units = conversation.units()
-    added: list[Unit] = []
+    added: list[Items] = []
     request_items: list[Item] = []
     for unit in reversed(units):
         if unit.start < first_new:
@@ -471,7 +471,7 @@ def _grown(
 
 
 # ------------------------------------------------------------------------------------------------ finishing
-def _check(session: Session, final: list[Item], tokens: int, limit: int, system: Unit, request: Unit) -> None:
+def _check(session: Session, final: list[Item], tokens: int, limit: int, system: Items, request: Items) -> None:
     """The guarantees of every fit; a violation is a bug, so the fit is refused."""
     problems = []
     if tokens > limit:
@@ -516,9 +516,9 @@ def _paired(session: Session, messages: tuple[Message, ...]) -> None:
 def _remember(
     session: Session,
     ask: Ask,
-    history: Sequence[Unit],
+    history: Sequence[Items],
     *,
-    system: Unit,
+    system: Items,
     conversation: Conversation,
     horizon: int,
 ) -> None:
@@ -602,7 +602,7 @@ def _new_dict(session: Session, message: Message) -> dict[str, Any]:
 
 
 def _slots(
-    session: Session, system: Unit, request: Unit, tools: list[Any] | None, base: int, tokens: int, answer: int
+    session: Session, system: Items, request: Items, tools: list[Any] | None, base: int, tokens: int, answer: int
 ) -> dict[str, int]:
     """Tokens per slot in prompt order (:func:`~contextkeeper.tokens.breakdown.prompt_slots`, the model
     ``breakdown`` and the CLI's ``count`` use too), then the answer. Only the small lists are counted."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._memo import IdentityMemo
 from .messages import Conversation, Message
-from .strategies.base import Unit
+from .strategies.base import Items
 from .tokens import BatchTextCounting, Forking, TextBounding, TextCounting, TokenCounter
 from .tokens.breakdown import HeadCounts
 
@@ -38,8 +38,8 @@ class Sticky:
     # ``horizon``), the system items, the fitted history (rewrites applied) and where its request began.
     conversation: Conversation | None = None
     horizon: int = -1
-    system: Unit = ()
-    history: tuple[Unit, ...] = ()
+    system: Items = ()
+    history: tuple[Items, ...] = ()
     last_user: int = -1
 
 

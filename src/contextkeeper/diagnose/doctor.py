@@ -167,9 +167,11 @@ def _symptom(name: str) -> Symptom:
         return known[key]
     import difflib
 
+    matches = tuple(difflib.get_close_matches(key, list(known), n=3, cutoff=0.5))
     raise UnknownSymptom(
         f"unknown symptom {name!r}: --symptom takes one of {', '.join(known)}",
-        matches=tuple(difflib.get_close_matches(key, list(known), n=3, cutoff=0.5)),
+        matches=matches,
+        fix=f"pass --symptom {matches[0] if matches else next(iter(known))} (or another of the names above)",
     )
 
 

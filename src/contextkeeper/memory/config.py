@@ -52,9 +52,9 @@ def load_config(source: Any) -> tuple[dict[str, Any], str, str]:
             return found, text, "hub"
     raise UnknownModel(
         f"model {text!r} is not a config.json file or folder, not in the built-in catalog, and not a hub id in "
-        "the local Hugging Face cache (the hub is not reachable from here). Pass a config.json path, or "
-        "`contextkeeper kv --model` one of the catalog names (see docs/memory.md)",
+        "the local Hugging Face cache (the hub is not reachable from here)",
         matches=catalog.close_matches(text),
+        fix="pass a config.json path or its folder, or one of the catalog names (see docs/memory.md)",
     )
 
 

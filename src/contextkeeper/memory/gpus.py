@@ -282,8 +282,9 @@ def _unknown(name: str, index: _Index, matches: tuple[str, ...] | None = None, w
         matches = _close_names(key, index) if key else ()
     detail = f" {why}" if why else ""
     return UnknownGPU(
-        f"Unknown GPU {name!r}.{detail} Pass a catalog name or a size for a generic device, e.g. --gpu 48GB",
+        f"Unknown GPU {name!r}.{detail}",
         matches=matches,
+        fix="pass a catalog name (docs/memory.md lists them) or a size for a generic device, e.g. --gpu 48GB",
     )
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import Action, Item, Unit, with_content
+from .base import Action, Item, Items, with_content
 
 __all__ = ["PLACEHOLDER", "compact_turn"]
 
 PLACEHOLDER = "[tool result cleared: {tool}, {chars} characters]"
 
 
-def _rounds(request: Unit) -> tuple[Unit, list[list[Item]]]:
+def _rounds(request: Items) -> tuple[Items, list[list[Item]]]:
     """The request split into its head (the user's message) and its tool rounds (an assistant message and the
     tool results that follow it)."""
     head: list[Item] = []
@@ -33,7 +33,7 @@ def _rounds(request: Unit) -> tuple[Unit, list[list[Item]]]:
     return tuple(head), rounds
 
 
-def compact_turn(request: Unit, fits: Callable[[Unit], bool]) -> tuple[Unit, Action] | None:
+def compact_turn(request: Items, fits: Callable[[Items], bool]) -> tuple[Items, Action] | None:
     """The smallest change to ``request`` that ``fits``: clear the results of the fewest oldest rounds, else
     clear them all and drop the fewest oldest rounds; never the user's message or the last round. None when
     there is nothing to change or even the most compacted turn does not fit. Both searches are binary (each
@@ -57,7 +57,7 @@ def compact_turn(request: Unit, fits: Callable[[Unit], bool]) -> tuple[Unit, Act
 
     cleared = [clear(r) for r in older]
 
-    def assemble(cut: int, drop: int = 0) -> Unit:
+    def assemble(cut: int, drop: int = 0) -> Items:
         kept = cleared[drop:cut] + older[cut:]
         return (*head, *(item for r in kept for item in r), *last)
 

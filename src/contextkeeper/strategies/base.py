@@ -70,7 +70,10 @@ class Item:
         return "\n".join(self.message.text_parts())
 
 
-Unit = tuple[Item, ...]
+Items = tuple[Item, ...]
+"""The items of one unit (a system or user message, or an assistant message with its tool results), in order: what
+strategies keep, drop or rewrite together. :class:`contextkeeper.messages.Unit` is where such a unit lies in a
+conversation (its kind and index range)."""
 
 
 # The rewrites kept per source message (one per strategy setting that rewrote it, newest first): a key that
@@ -78,7 +81,7 @@ Unit = tuple[Item, ...]
 _REWRITES_PER_SOURCE = 8
 
 
-def _unit_entry_size(unit: Unit, chars: int) -> int:
+def _unit_entry_size(unit: Items, chars: int) -> int:
     # The unit's tuple and items; its messages are counted where the counter keeps them.
     return sys.getsizeof(unit) + 320 * len(unit) + 96
 
@@ -88,7 +91,7 @@ def _rewrites_size(source: Message, made: tuple[tuple[Any, Message], ...]) -> in
     return sum(data_size(rewrite) + 128 for _, rewrite in made)
 
 
-def _unit_chars(unit: Unit) -> int:
+def _unit_chars(unit: Items) -> int:
     """Characters of a unit's text and tool-call arguments."""
     total = 0
     for item in unit:
@@ -129,23 +132,23 @@ class FitState:
     pruning batches); strategies own the keys named after them.
     """
 
-    system: Unit
-    history: tuple[Unit, ...]
-    request: Unit
+    system: Items
+    history: tuple[Items, ...]
+    request: Items
     limit: int
-    count: Callable[[Sequence[Unit]], int] = field(repr=False, compare=False)
+    count: Callable[[Sequence[Items]], int] = field(repr=False, compare=False)
     text_tokens: Callable[[str], int] | None = field(default=None, repr=False, compare=False)
     # ``text_tokens`` of many texts at once (a batch the tokenizer runs in parallel), when the counter has it.
     text_tokens_many: Callable[[Sequence[str]], list[int]] | None = field(default=None, repr=False, compare=False)
     # An upper bound on ``text_tokens`` found without tokenizing (None: not known for this text or tokenizer).
     text_bound: Callable[[str], int | None] | None = field(default=None, repr=False, compare=False)
-    peek: Callable[[Sequence[Unit]], int | None] | None = field(default=None, repr=False, compare=False)
+    peek: Callable[[Sequence[Items]], int | None] | None = field(default=None, repr=False, compare=False)
     query: str = ""
     turn: int = 0
     actions: tuple[Action, ...] = ()
     memory: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def tokens(self, history: Sequence[Unit] | None = None) -> int:
+    def tokens(self, history: Sequence[Items] | None = None) -> int:
         """Exact prompt tokens with ``history`` (default: the current history)."""
         return self.count(self.history if history is None else history)
 
@@ -169,7 +172,7 @@ class FitState:
         if self.text_tokens_many is not None and texts:
             self.text_tokens_many(texts)
 
-    def saving(self, history: Sequence[Unit]) -> int | None:
+    def saving(self, history: Sequence[Items]) -> int | None:
         """Exact tokens ``history`` saves against the current history, or None when the current history was never
         counted (counting it would mean tokenizing text that a strategy is about to drop)."""
         before = self.peek(self.history) if self.peek is not None else self.tokens()
@@ -193,14 +196,14 @@ class FitState:
         self.memory["_chars"] = (history, total, running)
         return total
 
-    def unit_chars(self, units: Sequence[Unit]) -> list[int]:
+    def unit_chars(self, units: Sequence[Items]) -> list[int]:
         """Characters of each unit's text and tool-call arguments (cheap; remembered per unit, within the shared
         cache budget)."""
         cache = self.memory.get("_unit_chars")
         if cache is None:  # bounded, with every other cache, by the shared byte budget
             cache = self.memory["_unit_chars"] = IdentityMemo("fit.unit_chars", sizer=_unit_entry_size)
         out: list[int] = []
-        new: list[tuple[Unit, int]] = []
+        new: list[tuple[Items, int]] = []
         for unit, chars in zip(units, cache.get_many(units), strict=True):
             if chars is None:
                 chars = _unit_chars(unit)
@@ -239,7 +242,7 @@ class FitState:
                 roots.put(rewrite, root)  # the entry holds the rewrite: its id stays unique
         return Item(rewrite, None, root)
 
-    def with_history(self, history: Sequence[Unit], action: Action | None = None) -> FitState:
+    def with_history(self, history: Sequence[Items], action: Action | None = None) -> FitState:
         actions = self.actions + ((action,) if action is not None else ())
         return replace(self, history=tuple(history), actions=actions)
 

@@ -6,7 +6,7 @@ import functools
 
 from pydantic import Field
 
-from .base import Action, FitState, StrategySettings, Unit, register, with_content
+from .base import Action, FitState, Items, StrategySettings, register, with_content
 from .summarize import SUMMARY_PREFIX
 
 
@@ -35,7 +35,7 @@ class Dedupe(StrategySettings):
                 drop.add(i + 1)
         seen: set[tuple[str, str]] = set()
         changed = 0
-        new: list[Unit] = []
+        new: list[Items] = []
         # Walk newest first so the latest copy is the one kept.
         for index in range(len(history) - 1, -1, -1):
             if index in drop:

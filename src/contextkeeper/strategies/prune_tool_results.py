@@ -8,7 +8,7 @@ import operator
 from pydantic import Field, field_validator
 
 from ..messages import Message
-from .base import Action, FitState, Item, StrategySettings, Unit, register, with_content
+from .base import Action, FitState, Item, Items, StrategySettings, register, with_content
 
 
 @register("prune_tool_results")
@@ -102,7 +102,7 @@ class PruneToolResults(StrategySettings):
                         unit_items[p] = state.reuse(item.message, key, functools.partial(Message.from_dict, data))
         memory.update(cleared_ids)
         # Units left as they were stay the very same tuples (caches keyed by identity keep them).
-        new: list[Unit] = [
+        new: list[Items] = [
             old if all(map(operator.is_, old, unit)) else tuple(unit)
             for old, unit in zip(state.history, units, strict=True)
         ]

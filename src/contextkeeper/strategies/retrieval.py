@@ -27,7 +27,7 @@ from pydantic import Field, field_validator, model_validator
 from .._memo import memoize, text_entry_size
 from ..messages import Message, TextPart
 from ._embeddings import lexical_scores, load_in_fit
-from .base import Action, FitState, StrategySettings, Unit, register
+from .base import Action, FitState, Items, StrategySettings, register
 
 __all__ = ["Retrieval"]
 
@@ -126,9 +126,9 @@ class Retrieval(StrategySettings):
             return state
 
         counts: dict[int, int] = {0: before}
-        built: dict[int, tuple[tuple[Unit, ...], int]] = {}
+        built: dict[int, tuple[tuple[Items, ...], int]] = {}
 
-        def history(k: int) -> tuple[Unit, ...]:
+        def history(k: int) -> tuple[Items, ...]:
             if k not in built:
                 built[k] = self._rebuild(state, targets, drops[:k])
             return built[k][0]
@@ -205,7 +205,7 @@ class Retrieval(StrategySettings):
 
     def _rebuild(
         self, state: FitState, targets: list[_Target], drops: Sequence[tuple[int, int]]
-    ) -> tuple[tuple[Unit, ...], int]:
+    ) -> tuple[tuple[Items, ...], int]:
         """The history with ``drops`` (target number, passage index) removed, and how many units changed."""
         removed: dict[int, set[int]] = {}
         for number, index in drops:

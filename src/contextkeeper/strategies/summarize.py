@@ -32,7 +32,7 @@ from pydantic import Field, model_validator
 from ..messages import Message
 from ._embeddings import load_in_fit
 from ._facts import ALL_KINDS, Fact, Source, extract, missing
-from .base import Action, FitState, Item, LLMCall, Step, StrategySettings, Unit, register
+from .base import Action, FitState, Item, Items, LLMCall, Step, StrategySettings, register
 
 __all__ = ["ACKNOWLEDGEMENT", "SUMMARY_PREFIX", "SYSTEM_PROMPT", "Summarize"]
 
@@ -174,7 +174,7 @@ class Summarize(StrategySettings):
             history, Action(strategy=self.name, detail=f"{failure}; history unchanged", saved=0, units=0)
         )
 
-    def _cut(self, history: tuple[Unit, ...], block: int) -> int:
+    def _cut(self, history: tuple[Items, ...], block: int) -> int:
         """How many leading units to replace: all but ``keep_recent``, ending before a user unit.
 
         The largest such boundary that still leaves ``min_units`` new units wins; when there is none (a long
@@ -203,7 +203,7 @@ class Summarize(StrategySettings):
     # ---------------------------------------------------------------------------------------- attempts
 
     def _attempts(
-        self, state: FitState, previous: str | None, history: tuple[Unit, ...], start: int, cut: int
+        self, state: FitState, previous: str | None, history: tuple[Items, ...], start: int, cut: int
     ) -> Generator[LLMCall, str, _Outcome]:
         """Ask for the summary of ``previous`` + ``history[start:cut]`` until one passes verification, within
         the calls this fit has left."""
@@ -227,7 +227,7 @@ class Summarize(StrategySettings):
         calls: _Calls,
         attempts: int,
         previous: str | None,
-        history: tuple[Unit, ...],
+        history: tuple[Items, ...],
         start: int,
         cut: int,
     ) -> Generator[LLMCall, str, _Outcome]:
@@ -291,11 +291,11 @@ class Summarize(StrategySettings):
 # ------------------------------------------------------------------------------------------ the history
 
 
-def _role(unit: Unit) -> str:
+def _role(unit: Items) -> str:
     return unit[0].role if unit else ""
 
 
-def _summary_block(history: Sequence[Unit]) -> int:
+def _summary_block(history: Sequence[Items]) -> int:
     """Units at the start of ``history`` that are a previous summary: 0, 1 (summary only) or 2 (with the
     assistant's acknowledgement)."""
     if not history or len(history[0]) != 1:
@@ -310,11 +310,11 @@ def _summary_block(history: Sequence[Unit]) -> int:
     return 1
 
 
-def _summary_text(unit: Unit) -> str:
+def _summary_text(unit: Items) -> str:
     return unit[0].text()[len(SUMMARY_PREFIX) :]
 
 
-_ACK: Unit = (Item(Message.from_dict({"role": "assistant", "content": ACKNOWLEDGEMENT}), origin=None),)
+_ACK: Items = (Item(Message.from_dict({"role": "assistant", "content": ACKNOWLEDGEMENT}), origin=None),)
 
 
 @dataclass(frozen=True)
@@ -323,14 +323,14 @@ class _Entry:
     caches (keyed by object identity) keep working and the units' ids are never reused while cached."""
 
     summary: str
-    unit: Unit
+    unit: Items
 
     @classmethod
     def make(cls, summary: str) -> _Entry:
         message = Message.from_dict({"role": "user", "content": SUMMARY_PREFIX + summary})
         return cls(summary, (Item(message, origin=None),))
 
-    def history(self, state: FitState, cut: int) -> tuple[Unit, ...]:
+    def history(self, state: FitState, cut: int) -> tuple[Items, ...]:
         """``state.history`` with its first ``cut`` units replaced by the summary and the acknowledgement (the
         summary alone when an assistant unit follows, so the roles still alternate)."""
         following = state.history[cut] if cut < len(state.history) else state.request
@@ -341,7 +341,7 @@ class _Entry:
 # ------------------------------------------------------------------------------------------------ cache
 
 
-def _unit_bytes(unit: Unit) -> bytes:
+def _unit_bytes(unit: Items) -> bytes:
     """What identifies a unit's content: roles, texts, tool calls, media parts."""
     content = []
     for item in unit:
@@ -352,7 +352,7 @@ def _unit_bytes(unit: Unit) -> bytes:
     return json.dumps(content, ensure_ascii=False, sort_keys=True, default=str).encode()
 
 
-def _prefix_keys(history: Sequence[Unit], cut: int) -> dict[int, str]:
+def _prefix_keys(history: Sequence[Items], cut: int) -> dict[int, str]:
     """``{b: hash of history[:b]}`` for b in 1..cut, so a cached summary of a shorter prefix is found too."""
     digest = hashlib.sha256(b"contextkeeper.summarize/1\n")
     keys: dict[int, str] = {}
@@ -387,7 +387,7 @@ def _clip(text: str, limit: int) -> str:
     return f"{text[:half]} […{len(text) - 2 * half} characters omitted…] {text[-half:]}"
 
 
-def _render(previous: str | None, units: Sequence[Unit]) -> str:
+def _render(previous: str | None, units: Sequence[Items]) -> str:
     """The transcript as the summarizer reads it: one line per message, tool calls and results compact."""
     lines: list[str] = []
     if previous is not None:
@@ -464,7 +464,7 @@ def _error(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------- facts
 
 
-def _fact_sources(previous: str | None, history: tuple[Unit, ...], start: int, cut: int) -> list[Source]:
+def _fact_sources(previous: str | None, history: tuple[Items, ...], start: int, cut: int) -> list[Source]:
     """What the summary must keep, by role: the previous summary and user messages yield every kind; the
     assistant's text no constraints; tool call arguments only identifiers; tool results nothing (they are
     often long, and what mattered the assistant said). Questions of a user unit that no assistant text
@@ -487,7 +487,7 @@ def _fact_sources(previous: str | None, history: tuple[Unit, ...], start: int, c
     return sources
 
 
-def _answered(history: tuple[Unit, ...], index: int) -> bool:
+def _answered(history: tuple[Items, ...], index: int) -> bool:
     for unit in history[index + 1 :]:
         role = _role(unit)
         if role == "user":
@@ -515,7 +515,7 @@ def _argument_values(arguments: object) -> list[str]:
 _UNLOADED: Any = object()
 
 
-def _meaning_chunks(previous: str | None, units: Sequence[Unit]) -> list[str]:
+def _meaning_chunks(previous: str | None, units: Sequence[Items]) -> list[str]:
     """The conversation in chunks a small embedding model reads whole: what was said (previous summary, user
     and assistant text, tool calls), not tool output, which the summary is not meant to restate."""
     lines = [line for line in (previous or "").splitlines() if line.strip()]

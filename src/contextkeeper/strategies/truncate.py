@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from ..messages import Message, Role
-from .base import Action, FitState, Item, StrategySettings, Unit, register
+from .base import Action, FitState, Item, Items, StrategySettings, register
 
 
 def cut_middle(text: str, cap: int, tokens_of: Any, marker: str) -> str:
@@ -80,7 +80,7 @@ class Truncate(StrategySettings):
         if not long:
             return state
         state.prefetch_tokens(texts)
-        new: list[Unit] = []
+        new: list[Items] = []
         cut = 0
         key = ("truncate", self.max_tokens, self.marker)
         for unit in state.history:
