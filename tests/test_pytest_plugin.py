@@ -192,8 +192,9 @@ def test_failure_text_max_tokens_and_gpu_fixes(pytester: pytest.Pytester, sample
 
 
 def test_configuration_errors_say_where_to_set_things(pytester: pytest.Pytester) -> None:
+    # Not test_errors.py: a module of this suite has that name, and pytester runs in this process.
     pytester.makepyfile(
-        test_errors=module("""
+        test_bad_settings=module("""
         def test_no_window(prompt_budget):
             prompt_budget(tokenizer="mistral:tekken")
 
