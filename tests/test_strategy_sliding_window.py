@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import contextkeeper as ck
-from contextkeeper.keeper import _assemble
+from contextkeeper.engine import assemble
 from contextkeeper.strategies import FitState, Item
 from contextkeeper.strategies.sliding_window import SlidingWindow
 from conversations import TOOLS
@@ -56,7 +56,7 @@ def test_after_a_cut_the_window_leaves_the_slack_free_even_when_the_history_fits
     system, *history, request = units
 
     def count(kept: Any) -> int:
-        return counter.count(_assemble((system, *kept, request)), tools=TOOLS)
+        return counter.count(assemble((system, *kept, request)), tools=TOOLS)
 
     limit = int(count(history) / 0.97)  # the history fits, above the 95% mark
     state = FitState(system=system, history=tuple(history), request=request, limit=limit, count=count)

@@ -28,8 +28,6 @@ from .tokens import TemplateLimits, TokenCounter, load_counter
 # The fit's types live in their own modules; importable from here as they always were.
 __all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge", "Reserve"]
 
-_assemble = engine.assemble
-
 
 async def _awaited(value: Awaitable[Any]) -> Any:
     return await value
