@@ -13,6 +13,7 @@ from contextkeeper import engine
 from contextkeeper.budget import Budget
 from contextkeeper.session import Session
 from contextkeeper.strategies import Item
+from contextkeeper.strategies.base import Action
 
 QWEN = "Qwen-Qwen2.5-7B-Instruct"
 
@@ -87,15 +88,23 @@ def test_counts_made_before_the_request_was_compacted_are_not_reused() -> None:
         (2000, 40, 4.75 * max(1.25, 1.1 * 3996 / 2000)),  # in proportion to what the read yielded
         (100, 40, 4.75 * 4.0),  # at most four times as far
         (3550, 40, 4.75 * 1.25),  # at least a quarter further
+        (2000, -40, None),  # the window dropped units of this read: older ones cannot be kept either
     ],
 )
 def test_how_far_the_next_read_goes(tokens: int, unread: int, wider: float | None) -> None:
     messages = chat(3)
     ask = engine.Ask.of(Session.of("x", Counting(), fork=False), messages, None, budget(), 0.0)
+    dropped = unread < 0
+    actions = (Action(strategy="sliding_window", detail="dropped", units=3),) if dropped else ()
+
+    class State:
+        pass
 
     class Draft:
-        horizon = ask.sys_end + unread
+        horizon = ask.sys_end + abs(unread)
+        state = State()
 
+    Draft.state.actions = actions  # type: ignore[attr-defined]
     Draft.tokens = tokens  # type: ignore[attr-defined]
     got = engine.further(ask, 4.75, Draft())  # type: ignore[arg-type]
     assert got == pytest.approx(wider) if wider is not None else got is None
@@ -107,3 +116,73 @@ def test_the_request_is_prepared_once() -> None:
     assert (ask.sys_end, ask.last_user, ask.sticky) == (2, len(messages) - 1, None)
     with pytest.raises(ck.MessageError, match="expected a list of messages, got dict"):
         engine.Ask.of(Session.of("x", Counting(), fork=False), {"role": "user"}, None, budget(), 0.0)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ the first read of a chat
+def _long_chat(words: list[str], turns: int = 160) -> list[dict[str, Any]]:
+    """A deterministic chat whose text is drawn from ``words`` (joined without spaces for CJK)."""
+    joiner = "" if all(len(w) <= 3 and not w.isascii() for w in words) else " "
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for t in range(turns):
+        text = joiner.join(words[(t * 7 + i * 3) % len(words)] for i in range(40 + t % 30))
+        messages += [{"role": "user", "content": f"{t}. {text}"}, {"role": "assistant", "content": text[::-1]}]
+    return [*messages, {"role": "user", "content": words[0]}]
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+_SCRIPTS = {
+    "english": _words("the request failed because upstream service returned an error after timeout"),
+    "chinese": _words("请求 失败 因为 上游 服务 返回 错误 超时 之后 我们 回滚 部署"),
+    "greek": _words("το αίτημα απέτυχε επειδή η υπηρεσία επέστρεψε σφάλμα μετά το χρονικό όριο"),
+    "hindi": _words("अनुरोध विफल हुआ क्योंकि सेवा ने त्रुटि लौटाई समय सीमा के बाद हमने"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(_SCRIPTS))
+def test_one_read_is_enough_in_any_script(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first read of a chat goes back about as far as the budget holds, whatever the script: the horizon
+    measures the chat's characters per token on its newest messages (CJK or Devanagari text runs at one or two
+    where English runs at four or five), so it neither reads twice nor reads several times what it keeps."""
+    reads: list[int] = []
+    real = engine.read
+
+    def counted(*args: Any) -> engine.Draft:
+        draft = real(*args)
+        reads.append(draft.horizon)
+        return draft
+
+    monkeypatch.setattr(engine, "read", counted)
+    keeper = ck.ContextKeeper(tokenizer=hf_tokenizer("qwen2"), chat_template=template(QWEN), context_window=4096)
+    messages = _long_chat(_SCRIPTS[script])
+    fit = keeper.fit(messages, max_tokens=256)
+    assert fit.tokens == keeper.counter.count(fit.messages)  # exact, as always
+    assert len(reads) == 1, f"{script}: read {len(reads)} times"
+    read = len(messages) - reads[0]
+    assert len(fit.messages) >= 0.6 * read, f"{script}: read {read} messages to keep {len(fit.messages)}"
+
+
+def test_the_horizon_leaves_the_request_its_room() -> None:
+    """A request that takes most of the budget (a long tool result in it) leaves history the rest: the read
+    stops where that rest is full, not where the whole budget would be."""
+    keeper = ck.ContextKeeper(tokenizer=hf_tokenizer("qwen2"), chat_template=template(QWEN), context_window=4096)
+    messages = _long_chat(_SCRIPTS["english"])
+    messages[-1] = {"role": "user", "content": "summarise this log: " + "timeout at the gateway, retrying. " * 90}
+    fit = keeper.fit(messages, max_tokens=256)
+    read = len(messages) - 1 - fit.report.unread
+    assert len(fit.messages) >= 0.6 * read, f"read {read} messages to keep {len(fit.messages)}"
+
+
+def test_the_measured_rate_is_the_policys_for_ascii_prose_and_lower_for_cjk() -> None:
+    counter = ck.HFChatTemplateCounter(hf_tokenizer("qwen2"), chat_template=template(QWEN), name=QWEN)
+    for script, expected in (("english", 4.75), ("chinese", None)):
+        session = Session.of("x", counter, fork=False)
+        ask = engine.Ask.of(session, _long_chat(_SCRIPTS[script]), None, budget(), 0.0)
+        rate = engine.calibrated(session, ask, 4.75)
+        if expected is not None:
+            assert rate == expected
+        else:
+            assert 0.5 <= rate < 3.0  # CJK: about one and a half characters per token, with the margin
+    assert engine.calibrated(session, ask, 0.0) == 0.0  # 0: read everything, nothing to measure

@@ -48,16 +48,54 @@ def _role(message: Any) -> str:
     return str(role) if role is not None else ""
 
 
-def _chars(message: Any) -> int:
+def _text(message: Any) -> str:
+    """A message's text as the horizon measures it: its content and its tool calls, written out."""
     content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
     if isinstance(content, str):
-        size = len(content)
+        text = content
     elif isinstance(content, list):
-        size = sum(len(str(part.get("text", ""))) if isinstance(part, dict) else 16 for part in content)
+        text = "".join(str(part.get("text", "")) if isinstance(part, dict) else " " * 16 for part in content)
     else:
-        size = 0
+        text = ""
     calls = message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)
-    return size + (len(str(calls)) if calls else 0)
+    return text + str(calls) if calls else text
+
+
+def _chars(message: Any) -> int:
+    return len(_text(message))
+
+
+# Calibrating a new conversation's characters per token: its newest texts, up to this many characters or
+# messages, are counted exactly (they are the ones most likely kept, and the counter remembers their words).
+_SAMPLE_CHARS = 8_000
+_SAMPLE_MESSAGES = 32
+_MARGIN = 1.15  # read this much beyond the estimate, so the window has whole turns to choose from
+_SAMPLED = (0.5, 12.0)  # the range a measured characters-per-token figure is kept in
+
+
+def calibrated(session: Session, ask: Ask, per_token: float) -> float:
+    """Characters per token for the first read of a conversation, measured on its newest messages when they are
+    not plain English-like text: CJK or Devanagari text runs at one or two characters per token where English
+    runs at four or five, JSON with escaped characters at two or three, and each depends on the tokenizer (Greek:
+    1.1 characters per token for Qwen's, 2.5 for Llama 3's). ``per_token`` (the policy's) when the sample is
+    ASCII prose, or when it reads everything (0)."""
+    if not per_token:
+        return per_token
+    texts: list[str] = []
+    sampled = 0
+    for index in range(len(ask.messages) - 1, ask.sys_end - 1, -1):
+        text = _text(ask.messages[index])
+        if text:
+            texts.append(text)
+            sampled += len(text)
+            if sampled >= _SAMPLE_CHARS or len(texts) >= _SAMPLE_MESSAGES:
+                break
+    if not texts or all(text.isascii() and "\\u" not in text for text in texts):
+        return per_token
+    many = session.text_tokens_many
+    tokens = sum(many(texts)) if many is not None else sum(map(session.text_tokens, texts))
+    measured = sampled / max(tokens, 1) * _MARGIN
+    return min(_SAMPLED[1], max(_SAMPLED[0], measured))
 
 
 def assemble(units: Sequence[Items]) -> Conversation:
@@ -222,7 +260,7 @@ def side_count(session: Session, messages: Conversation, tools: list[Any] | None
 
 def fit(setup: Setup, session: Session, ask: Ask) -> Fit:
     """The longest prompt that fits ``ask.budget``, keeping what matters (the session's lock is held)."""
-    per_token = setup.horizon if session.horizon is None else session.horizon
+    per_token = calibrated(session, ask, setup.horizon) if session.horizon is None else session.horizon
     try:
         draft = read(setup, session, ask, per_token)
         for _ in range(READS - 1):
@@ -247,6 +285,8 @@ def further(ask: Ask, per_token: float, draft: Draft) -> float | None:
     tokens = draft.tokens
     if ask.sticky is not None or draft.horizon <= ask.sys_end or not per_token or tokens >= 0.9 * limit:
         return None
+    if any(action.strategy == "sliding_window" and action.units for action in draft.state.actions):
+        return None  # the window dropped some of what was read: older history cannot be kept either
     # In proportion to what this read yielded after the strategies (older history is assumed to shrink alike), a
     # little beyond the budget so the window has whole turns to choose from (between 1.25 and 4 times as far).
     return per_token * min(4.0, max(1.25, 1.1 * limit / max(tokens, 1)))
@@ -377,14 +417,16 @@ def _horizon(setup: Setup, ask: Ask, per_token: float) -> int:
         return sys_end
     foresight = [strategy for strategy, _ in setup.pipeline if isinstance(strategy, Foresight)]
     budget = ask.budget.prompt * per_token
-    used = 0
+    # The system prompt and the request are always kept: history has the rest of the budget.
+    kept = (*range(sys_end), *range(last_user, len(ask.messages)))
+    used = float(sum(_chars(ask.messages[index]) for index in kept))
     results = 0  # tool results of history newer than the message at ``index``
     horizon = last_user
     for index in range(last_user - 1, sys_end - 1, -1):
         role = ask.roles[index]
-        chars = _chars(ask.messages[index])
+        chars: float = _chars(ask.messages[index])
         for strategy in foresight:
-            chars = strategy.kept_chars(role, chars, results)
+            chars = strategy.kept_chars(role, chars, results, per_token)
         used += chars
         results += role == "tool"
         if role == "user":

@@ -268,9 +268,10 @@ class Foresight(Protocol):
     that far back (see ``Policy.horizon``) before anything is validated or tokenized. An estimate: a wrong one
     costs a second read or some text tokenized and then dropped, never a wrong fit."""
 
-    def kept_chars(self, role: str, chars: int, newer_results: int) -> int:
+    def kept_chars(self, role: str, chars: float, newer_results: int, per_token: float = 4.0) -> float:
         """Characters left of a history message with ``role`` and ``chars`` characters (text and tool-call
-        arguments), when ``newer_results`` tool results of history come after it."""
+        arguments), when ``newer_results`` tool results of history come after it and the chat runs at about
+        ``per_token`` characters per token."""
         ...
 
 

@@ -40,7 +40,7 @@ class PruneToolResults(StrategySettings):
             raise ValueError(f"not a format string with {{tool}} and {{chars}} only ({exc})") from None
         return value
 
-    def kept_chars(self, role: str, chars: int, newer_results: int) -> int:
+    def kept_chars(self, role: str, chars: float, newer_results: int, per_token: float = 4.0) -> float:
         """An old tool result shrinks to its placeholder (results of excluded tools cannot be told apart here)."""
         if role == "tool" and newer_results >= self.keep_last and not self.exclude_tools:
             return min(chars, len(self.placeholder) + 16)

@@ -61,9 +61,9 @@ class Truncate(StrategySettings):
             raise ValueError(f"not a format string with {{cut}} only ({exc})") from None
         return value
 
-    def kept_chars(self, role: str, chars: int, newer_results: int) -> int:
-        """A message over the cap keeps about the cap (at 4 characters per token)."""
-        return min(chars, 4 * self.max_tokens) if role in self.roles else chars
+    def kept_chars(self, role: str, chars: float, newer_results: int, per_token: float = 4.0) -> float:
+        """A message over the cap keeps about the cap (at ``per_token`` characters per token)."""
+        return min(chars, per_token * self.max_tokens) if role in self.roles else chars
 
     def apply(self, state: FitState) -> FitState:
         # Messages whose every text is under the cap by a bound alone are passed over; the texts of the others
