@@ -14,6 +14,7 @@ from contextkeeper.budget import Budget
 from contextkeeper.session import Session
 from contextkeeper.strategies import Item
 from contextkeeper.strategies.base import Action
+from conversations import call
 
 QWEN = "Qwen-Qwen2.5-7B-Instruct"
 
@@ -175,14 +176,21 @@ def test_the_horizon_leaves_the_request_its_room() -> None:
     assert len(fit.messages) >= 0.6 * read, f"read {read} messages to keep {len(fit.messages)}"
 
 
-def test_the_measured_rate_is_the_policys_for_ascii_prose_and_lower_for_cjk() -> None:
+def test_the_measured_rate_follows_the_script_and_the_kind_of_text() -> None:
     counter = ck.HFChatTemplateCounter(hf_tokenizer("qwen2"), chat_template=template(QWEN), name=QWEN)
-    for script, expected in (("english", 4.75), ("chinese", None)):
+    rates, weights = {}, {}
+    for script in ("english", "chinese"):
         session = Session.of("x", counter, fork=False)
-        ask = engine.Ask.of(session, _long_chat(_SCRIPTS[script]), None, budget(), 0.0)
-        rate = engine.calibrated(session, ask, 4.75)
-        if expected is not None:
-            assert rate == expected
-        else:
-            assert 0.5 <= rate < 3.0  # CJK: about one and a half characters per token, with the margin
-    assert engine.calibrated(session, ask, 0.0) == 0.0  # 0: read everything, nothing to measure
+        messages = _long_chat(_SCRIPTS[script])
+        messages[-2:-2] = [  # a tool round: JSON runs at fewer characters per token than prose
+            {"role": "assistant", "content": None, "tool_calls": [call("c1", "run_sql", sql="SELECT 1")]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"rows": [{"id": 1, "v": 2.5}, {"id": 2, "v": 7}]}'},
+        ]
+        ask = engine.Ask.of(session, messages, None, budget(), 0.0)
+        rates[script] = engine.calibrated(session, ask, 4.75)
+        weights[script] = session.rates.results
+        assert engine.calibrated(session, ask, 0.0) == 0.0  # 0: read everything, nothing to measure
+    assert rates["english"] > 4.0  # English prose: five or more characters per token
+    assert 0.5 <= rates["chinese"] < 3.0  # CJK: about one and a half, with the margin
+    # A character of JSON is worth more tokens beside English prose than beside Chinese.
+    assert weights["english"] > 2 * weights["chinese"]

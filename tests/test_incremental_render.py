@@ -48,20 +48,64 @@ def test_the_popular_templates_are_split() -> None:
 
 
 def test_templates_with_cross_message_state_are_refused() -> None:
-    writes_state = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}"
+    made_in_an_if = (
+        "{% if messages %}{% set ns = namespace(n=0) %}{% endif %}"
+        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}"
+    )
+    rebound = (
+        "{% set ns = namespace(n=0) %}{% set ns = namespace(n=1) %}"
+        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}"
+    )
+    macro_reads = (
+        "{% macro n() %}{{ ns.n }}{% endmacro %}{% set ns = namespace(n=0) %}"
+        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ n() }}{% endfor %}"
+    )
     uses_length = "{% for m in messages %}{{ loop.length }}{{ m.content }}{% endfor %}"
     far_reads = "{% for m in messages %}{{ messages[-1].content }}{% endfor %}"
     filtered = "{% for m in messages if m.role != 'system' %}{{ loop.index }}{% endfor %}"
-    block_write = (
-        "{% set ns = namespace(t='') %}{% for m in messages %}{% set ns.t %}{{ m.content }}{% endset %}"
-        "{{ ns.t }}{% endfor %}"
-    )
     via_macro = (
         "{% macro last() %}{{ messages[-1].content }}{% endmacro %}"
         "{% for m in messages %}{{ m.content }}{{ last() }}{% endfor %}"
     )
-    for source in (writes_state, uses_length, far_reads, filtered, block_write, via_macro):
+    for source in (made_in_an_if, rebound, macro_reads, uses_length, far_reads, filtered, via_macro):
         assert split_template(compile_template(source), source) is None, source
+
+
+_CARRIED = {
+    "counter": "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}",
+    "block": (
+        "{% set ns = namespace(t='') %}{% for m in messages %}{% set ns.t %}{{ m.content }}{% endset %}"
+        "{{ ns.t }}{% endfor %}"
+    ),
+    "flags": (  # the shape of DeepSeek's: a flag set by one role and read by the next message
+        "{% set ns = namespace(user=false, tool=false) %}{% for m in messages %}"
+        "{% if m.role == 'user' %}{% set ns.user = true %}{% set ns.tool = false %}<U>{{ m.content }}"
+        "{% elif m.role == 'tool' %}{% set ns.tool = true %}<T>{{ m.content }}"
+        "{% else %}{% if ns.user %}<A>{% endif %}{% set ns.user = false %}{{ m.content }}{% endif %}"
+        "{% endfor %}{% if ns.user and not ns.tool %}<A>{% endif %}"
+    ),
+    "list": (  # a value a snapshot cannot hold: rendered whole
+        "{% set ns = namespace(seen=[]) %}{% for m in messages %}{% set ns.seen = ns.seen + [m.role] %}"
+        "{{ ns.seen | length }}{% endfor %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CARRIED))
+def test_namespace_state_carried_from_message_to_message_is_threaded_through_the_bodies(name: str) -> None:
+    """A body that writes a namespace the head made is cut like any other: the state before each body is part of
+    its key and its state after is kept with its output, so the render equals a whole one as the chat grows,
+    loses its oldest turns and changes in place."""
+    source = _CARRIED[name]
+    split = split_template(compile_template(source), source)
+    assert split is not None
+    assert split.carried == ("ns",)
+    tokenizer = hf_tokenizer("qwen2")
+    fast = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name)
+    whole = ck.HFChatTemplateCounter(tokenizer, chat_template=source, name=name, incremental=False)
+    for shape in CONVERSATIONS.values():
+        for messages in _edits(shape()):
+            assert fast.render(messages) == whole.render(messages)
 
 
 def _counters(name: str) -> tuple[ck.HFChatTemplateCounter, ck.HFChatTemplateCounter]:

@@ -309,7 +309,9 @@ def test_the_horizon_reads_old_tool_results_at_their_cleared_size(monkeypatch: p
         reads.append(passes)
         if k is aware:
             aware_fit = fit
-    assert reads[0] == 1 < reads[1]  # blind: a short first read, then a second one
+    assert reads[0] == 1
+    # Blind, the read stops short (the raw results fill the budget sooner): a second read, or a fuller fit missed.
+    assert reads[1] > 1 or (fit.report.unread > aware_fit.report.unread and fit.tokens < aware_fit.tokens)
     # Older history went unread, so the slack is left free as when the window drops units.
     assert aware_fit.report.unread > 0
     assert 0.9 * (context - answer) <= aware_fit.tokens <= 0.95 * (context - answer)

@@ -21,8 +21,9 @@ REFUSED = {
     ),
     "no_macros_or_jumps": "{% for m in messages %}{% if m.role == 'tool' %}{% continue %}{% endif %}x{% endfor %}",
     "no_imports": "{% for m in messages %}{% include 'other.jinja' %}{% endfor %}",
-    "no_namespace_writes": (
-        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}"
+    "carried_namespaces_only": (
+        "{% if messages %}{% set ns = namespace(n=0) %}{% endif %}"
+        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{% endfor %}"
     ),
     "no_impure_calls": "{% for m in messages %}{{ strftime_now('%d') }}{{ m.content }}{% endfor %}",
     "loop_position_only": "{% for m in messages %}{{ loop.length }}{{ m.content }}{% endfor %}",
@@ -99,8 +100,8 @@ def test_vendored_templates_are_split_or_refused_with_a_named_check() -> None:
             checks[name] = found.check
     # Llama, Qwen 2.5 and Qwen3 are cut; these are refused for the reason their templates give.
     assert {"meta-llama-Llama-3.3-70B-Instruct", "Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B"}.isdisjoint(checks)
-    assert checks["deepseek-ai-DeepSeek-V3.1"] == "one_message_loop"  # two loops over the messages
-    assert checks["ibm-granite-granite-4.0"] == "no_namespace_writes"
+    assert "deepseek-ai-DeepSeek-V3.1" not in checks  # a quiet scan of the system prompts, then state carried
+    assert checks["ibm-granite-granite-4.0"] == "carried_namespaces_only"  # a namespace made inside the loop
     assert checks["Qwen3.5-4B"] == "loop_position_only"  # loop.previtem
     assert checks["openbmb-MiniCPM5-1B"] == "no_impure_calls"
     assert checks["GigaChat3-10B-A1.8B"] == "no_macro_reads_messages"

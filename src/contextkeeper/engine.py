@@ -20,7 +20,7 @@ from ._memo import shared_prefix
 from .budget import Budget
 from .messages import Conversation, Message, MessageLike, _group_units, _restore_conversation
 from .report import Fit, FitReport, _Breakdown
-from .session import Session, Sticky
+from .session import Rates, Session, Sticky
 from .strategies._turn import compact_turn
 from .strategies.base import Action, FitState, Foresight, Item, Items, LLMCall, Pipeline, run_sync
 from .strategies.sliding_window import SlidingWindow
@@ -48,8 +48,8 @@ def _role(message: Any) -> str:
     return str(role) if role is not None else ""
 
 
-def _text(message: Any) -> str:
-    """A message's text as the horizon measures it: its content and its tool calls, written out."""
+def _texts(message: Any) -> tuple[str, str]:
+    """A message's text as the horizon measures it: its content, and its tool calls written out."""
     content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
     if isinstance(content, str):
         text = content
@@ -58,44 +58,67 @@ def _text(message: Any) -> str:
     else:
         text = ""
     calls = message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)
-    return text + str(calls) if calls else text
+    return text, str(calls) if calls else ""
 
 
-def _chars(message: Any) -> int:
-    return len(_text(message))
+def _chars(message: Any, role: str, rates: Rates) -> float:
+    """A message's size in the chat's own characters (see :class:`~contextkeeper.session.Rates`)."""
+    text, calls = _texts(message)
+    return len(text) * (rates.results if role == "tool" else 1.0) + len(calls) * rates.calls
 
 
-# Calibrating a new conversation's characters per token: its newest texts, up to this many characters or
-# messages, are counted exactly (they are the ones most likely kept, and the counter remembers their words).
-_SAMPLE_CHARS = 8_000
-_SAMPLE_MESSAGES = 32
+# Calibrating a new conversation's characters per token: its newest texts of each kind (tool results, and the
+# rest), up to this many characters or messages, are counted exactly (they are the ones most likely kept, and the
+# counter remembers their words).
+_SAMPLE_CHARS = 6_000
+_SAMPLE_MESSAGES = 24
 _MARGIN = 1.15  # read this much beyond the estimate, so the window has whole turns to choose from
 _SAMPLED = (0.5, 12.0)  # the range a measured characters-per-token figure is kept in
+# Tokens a template writes around each message (role headers, end markers; more around tool calls and results).
+_PER_MESSAGE = 6
 
 
-def calibrated(session: Session, ask: Ask, per_token: float) -> float:
-    """Characters per token for the first read of a conversation, measured on its newest messages when they are
-    not plain English-like text: CJK or Devanagari text runs at one or two characters per token where English
-    runs at four or five, JSON with escaped characters at two or three, and each depends on the tokenizer (Greek:
-    1.1 characters per token for Qwen's, 2.5 for Llama 3's). ``per_token`` (the policy's) when the sample is
-    ASCII prose, or when it reads everything (0)."""
-    if not per_token:
-        return per_token
+_KINDS = ("text", "results", "calls")
+
+
+def _sample(ask: Ask, kind: str) -> list[str]:
+    """The newest texts of one kind: the text of messages other than tool results, tool results, tool calls."""
     texts: list[str] = []
     sampled = 0
     for index in range(len(ask.messages) - 1, ask.sys_end - 1, -1):
-        text = _text(ask.messages[index])
+        result = ask.roles[index] == "tool"
+        if result != (kind == "results"):
+            continue
+        text, calls = _texts(ask.messages[index])
+        text = calls if kind == "calls" else text
         if text:
             texts.append(text)
             sampled += len(text)
             if sampled >= _SAMPLE_CHARS or len(texts) >= _SAMPLE_MESSAGES:
                 break
-    if not texts or all(text.isascii() and "\\u" not in text for text in texts):
-        return per_token
+    return texts
+
+
+def _rate(session: Session, texts: list[str]) -> float:
+    """Characters per token of ``texts``, counted exactly."""
     many = session.text_tokens_many
     tokens = sum(many(texts)) if many is not None else sum(map(session.text_tokens, texts))
-    measured = sampled / max(tokens, 1) * _MARGIN
-    return min(_SAMPLED[1], max(_SAMPLED[0], measured))
+    return min(_SAMPLED[1], max(_SAMPLED[0], sum(map(len, texts)) / max(tokens, 1)))
+
+
+def calibrated(session: Session, ask: Ask, per_token: float) -> float:
+    """Characters per token for the first read of a conversation, measured on its newest messages: CJK or
+    Devanagari text runs at one or two characters per token where English runs at five, and each depends on the
+    tokenizer (Greek: 1.1 characters per token for Qwen's, 2.5 for Llama 3's). Tool results and tool calls (JSON,
+    logs, code) are measured apart, as ``session.rates``. ``per_token`` (the policy's) when there is nothing to
+    measure, or when it reads everything (0)."""
+    if not per_token:
+        return per_token
+    samples = {kind: _sample(ask, kind) for kind in _KINDS}
+    measured = {kind: _rate(session, texts) for kind, texts in samples.items() if texts}
+    own = measured.get("text", per_token / _MARGIN)
+    session.rates = Rates(**{kind: own / rate for kind, rate in measured.items() if kind != "text"})
+    return own * _MARGIN
 
 
 def assemble(units: Sequence[Items]) -> Conversation:
@@ -295,7 +318,7 @@ def further(ask: Ask, per_token: float, draft: Draft) -> float | None:
 def read(setup: Setup, session: Session, ask: Ask, per_token: float) -> Draft:
     """Read history back to the horizon at ``per_token`` characters per token and run the pipeline."""
     sys_end, last_user, sticky = ask.sys_end, ask.last_user, ask.sticky
-    horizon = sticky.start if sticky is not None else _horizon(setup, ask, per_token)
+    horizon = sticky.start if sticky is not None else _horizon(setup, session, ask, per_token)
     selected = [*ask.messages[:sys_end], *ask.messages[horizon:]]
     conversation = Conversation.from_messages(selected, previous=session.previous)
     session.previous = conversation
@@ -405,7 +428,7 @@ def _sticky(session: Session, messages: Sequence[Any], sys_end: int, last_user: 
     return previous
 
 
-def _horizon(setup: Setup, ask: Ask, per_token: float) -> int:
+def _horizon(setup: Setup, session: Session, ask: Ask, per_token: float) -> int:
     """The first history message worth reading: older units cannot fit even at ``per_token`` characters per
     token, so they are dropped without being validated or tokenized. 0 characters per token: read all.
 
@@ -419,15 +442,17 @@ def _horizon(setup: Setup, ask: Ask, per_token: float) -> int:
     budget = ask.budget.prompt * per_token
     # The system prompt and the request are always kept: history has the rest of the budget.
     kept = (*range(sys_end), *range(last_user, len(ask.messages)))
-    used = float(sum(_chars(ask.messages[index]) for index in kept))
+    rates = session.rates
+    overhead = _PER_MESSAGE * per_token  # what the template writes around each message
+    used = sum(_chars(ask.messages[i], ask.roles[i], rates) + overhead for i in kept)
     results = 0  # tool results of history newer than the message at ``index``
     horizon = last_user
     for index in range(last_user - 1, sys_end - 1, -1):
         role = ask.roles[index]
-        chars: float = _chars(ask.messages[index])
+        chars = _chars(ask.messages[index], role, rates)
         for strategy in foresight:
             chars = strategy.kept_chars(role, chars, results, per_token)
-        used += chars
+        used += chars + overhead
         results += role == "tool"
         if role == "user":
             if used > budget and horizon < last_user:

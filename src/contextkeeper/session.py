@@ -19,9 +19,18 @@ from .tokens.breakdown import HeadCounts
 if TYPE_CHECKING:
     from .report import Fit
 
-__all__ = ["DEFAULT_CONVERSATION", "Session", "Sessions", "Sticky"]
+__all__ = ["DEFAULT_CONVERSATION", "Rates", "Session", "Sessions", "Sticky"]
 
 DEFAULT_CONVERSATION = "default"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """How many of the chat's own characters (its messages' text) one character of a tool result, and of a tool
+    call written out, is worth in tokens: JSON, logs and code run at fewer characters per token than prose."""
+
+    results: float = 1.0
+    calls: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class Session:
     lock: threading.RLock = field(default_factory=threading.RLock)
     turn: int = 0  # fits made, failed ones included
     horizon: float | None = None  # characters per token the last read needed (None: the policy's)
+    rates: Rates = field(default_factory=Rates)  # tool results and calls in the chat's own characters
     sticky: Sticky | None = None  # the previous fit, re-applied first when the chat only grew
     previous: Conversation | None = None  # the messages the previous fit validated, reused where unchanged
     paired: tuple[tuple[Message, ...], tuple[Any, ...], list[int]] | None = None  # the last pairing check

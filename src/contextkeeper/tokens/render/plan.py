@@ -24,6 +24,8 @@ class Previous:
     messages: Sequence[Any]
     texts: Sequence[str]  # each message's body output
     marks: Sequence[tuple[Any, ...]]  # each message's guard results
+    # The carried namespaces' state before each body, and after the last (empty when nothing is carried).
+    states: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)

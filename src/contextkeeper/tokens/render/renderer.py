@@ -7,11 +7,32 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from jinja2.utils import Namespace
+
 from ..._memo import Memo
 from .plan import BATCH, Previous, RenderPlan, body_key, generation_key, guard_marks, plan_render, window
 from .split import SENTINEL, SplitTemplate
 
-_Entry = tuple[tuple[Any, ...], str]  # a body's window and its output
+# A body's window, its output, and the carried namespaces' state after it (None when nothing is carried).
+_Entry = tuple[tuple[Any, ...], str, Any]
+State = tuple[tuple[tuple[str, Any], ...], ...]  # each carried namespace's fields, sorted
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
+def _state(spaces: Sequence[Namespace]) -> State | None:
+    """The fields of each namespace, when every value is a plain constant (else None: the template is rendered
+    whole, as a value such as a list could be changed in place where no snapshot sees it)."""
+    fields = [object.__getattribute__(space, "_Namespace__attrs") for space in spaces]
+    if not all(type(value) in _PLAIN for values in fields for value in values.values()):
+        return None
+    return tuple(tuple(sorted(values.items())) for values in fields)
+
+
+def _restore(spaces: Sequence[Namespace], state: State) -> None:
+    for space, values in zip(spaces, state, strict=True):
+        attrs = object.__getattribute__(space, "_Namespace__attrs")
+        attrs.clear()
+        attrs.update(values)
 
 
 class LoopState:
@@ -30,8 +51,9 @@ def _body_size(key: Any, entry: _Entry) -> int:
     # The key (ints, flags, ids), the window and the body's text. The views the window holds are counted where the
     # counter keeps them (its own memo of views, filled in the same count, so dropped at about the same time):
     # counting them again for each of up to hundreds of bodies per render would cost more than the render.
-    messages, text = entry
-    return sys.getsizeof(key) + 32 * len(key) + sys.getsizeof(messages) + sys.getsizeof(text) + 64
+    messages, text, state = entry
+    extra = sys.getsizeof(state) + 64 * len(state) if state else 0
+    return sys.getsizeof(key) + 32 * len(key) + sys.getsizeof(messages) + sys.getsizeof(text) + 64 + extra
 
 
 class IncrementalRenderer:
@@ -80,6 +102,15 @@ class IncrementalRenderer:
             positional=split.positional,
             guarded=bool(split.guards),
         )
+        if split.carried:
+            threaded = self._threaded(plan, previous, memo, scope, marks)
+            if threaded is None:
+                assert split.whole is not None
+                return [split.whole.render(context)]
+            texts, states = threaded
+            tail_text = split.tail.render(scope)
+            self._remember(generation, Previous(list(messages), texts, marks, states))
+            return [head_text, *texts, tail_text]
         found, misses = self._look_up(memo, plan, messages, marks)
         if misses > BATCH:  # only when many are new is one whole (marked) render cheaper
             cut = self._render_marked(context, head_text, len(messages))
@@ -109,6 +140,75 @@ class IncrementalRenderer:
     def _keep_newest(self, per_generation: dict[Any, Any]) -> None:
         while len(per_generation) > self._generations:
             del per_generation[next(iter(per_generation))]
+
+    def _threaded(
+        self,
+        plan: RenderPlan,
+        previous: Previous | None,
+        memo: Memo[Any, _Entry],
+        scope: dict[str, Any],
+        marks: Sequence[tuple[Any, ...]],
+    ) -> tuple[list[str], list[State]] | None:
+        """Each body's output when the body carries namespace state from message to message: in order, with the
+        state before each body part of its key, so a body is reused only where its window and the state it starts
+        from are both unchanged (a run taken from the previous call, when it starts from the same state). Leaves
+        the namespaces as the last body left them, for the tail. None when a namespace holds a value that is not a
+        plain constant."""
+        split = self.split
+        messages = scope["messages"]
+        count = plan.count
+        found = [scope.get(name) for name in split.carried]
+        spaces = [space for space in found if isinstance(space, Namespace)]
+        if len(spaces) != len(found):
+            return None
+        state = _state(spaces)
+        if state is None:
+            return None
+        old = previous.states if previous is not None and previous.states else None
+        texts: list[str] = []
+        states: list[State] = []
+        index = 0
+        while index < count:
+            states.append(state)
+            if old is not None and previous is not None:
+                if plan.kept and index == plan.reuse_from and old[index] == state:
+                    texts.extend(previous.texts[plan.reuse_from : plan.reuse_to])
+                    states.extend(old[index + 1 : plan.reuse_to])
+                    state, index = old[plan.reuse_to], plan.reuse_to
+                    self.reused += len(plan.kept)
+                    continue
+                moved_from = plan.tail_from - plan.shift
+                if plan.moved and index == plan.tail_from and old[moved_from] == state:
+                    texts.extend(previous.texts[moved_from:])
+                    states.extend(old[moved_from + 1 : len(previous.texts)])
+                    state, index = old[len(previous.texts)], count
+                    self.reused += len(plan.moved)
+                    continue
+            seen = window(messages, index, split.reach)
+            key = (body_key(split.positional, index, count, marks, seen), state)
+            known = memo.get(key)
+            if (
+                known is not None
+                and len(known[0]) == len(seen)
+                and all(a is b for a, b in zip(known[0], seen, strict=True))
+            ):
+                text, after = known[1], known[2]
+                self.reused += 1
+            else:
+                _restore(spaces, state)
+                local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
+                local.update(zip((guard.name for guard in split.guards), marks[index], strict=True))
+                text = split.body.render(local)
+                after = _state(spaces)
+                if after is None:
+                    return None
+                memo.put(key, (seen, text, after))
+            texts.append(text)
+            state = after
+            index += 1
+        states.append(state)
+        _restore(spaces, state)
+        return texts, states
 
     def _look_up(
         self, memo: Memo[Any, _Entry], plan: RenderPlan, messages: Sequence[Any], marks: Sequence[tuple[Any, ...]]
@@ -140,7 +240,7 @@ class IncrementalRenderer:
         split, count = self.split, len(messages)
         windows = [window(messages, index, split.reach) for index in range(len(bodies))]
         memo.put_many(
-            (body_key(split.positional, index, count, marks, seen), (seen, text))
+            (body_key(split.positional, index, count, marks, seen), (seen, text, None))
             for index, (seen, text) in enumerate(zip(windows, bodies, strict=True))
         )
 
@@ -176,7 +276,7 @@ class IncrementalRenderer:
             local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
             local.update(zip((guard.name for guard in split.guards), marks[index], strict=True))
             text = split.body.render(local)
-            memo.put(body_key(split.positional, index, count, marks, seen), (seen, text))
+            memo.put(body_key(split.positional, index, count, marks, seen), (seen, text, None))
             return text
 
         texts = [body_of(index) for index in plan.before]

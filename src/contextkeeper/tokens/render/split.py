@@ -35,6 +35,8 @@ class SplitTemplate:
     positional: bool = True
     # Comparisons of the position with loop-wide values, replaced in ``body`` by variables (see Guard).
     guards: tuple[Guard, ...] = ()
+    # Namespaces the head makes and the body writes: their state before each body is part of its key.
+    carried: tuple[str, ...] = ()
     # The names the body reads from the render's context (None: it may read any, e.g. through a macro).
     reads: frozenset[str] | None = None
     whole: Template | None = None  # the template itself, for a render the guards cannot decide
@@ -49,6 +51,10 @@ class Refusal:
     reason: str
 
 
+# Nodes through which a loop can write output (or change a value in place, `{% do %}`).
+_WRITING = (nodes.Output, nodes.Include, nodes.CallBlock, nodes.FilterBlock, nodes.Block, nodes.Extends, nodes.ExprStmt)
+
+
 @dataclass(frozen=True)
 class Parsed:
     """A parsed template and the parts of it the checks look at (each computed once, when first asked for)."""
@@ -57,12 +63,27 @@ class Parsed:
 
     @cached_property
     def loops(self) -> list[int]:
-        """Positions of the top-level ``{% for ... in messages %}`` loops."""
+        """Positions of the top-level ``{% for ... in messages %}`` loops that write output. A loop that writes
+        nothing (a scan that only sets variables, such as DeepSeek's gathering of system prompts) stays in the
+        head or the tail, which are rendered afresh on every call."""
         return [
             i
             for i, node in enumerate(self.ast.body)
-            if isinstance(node, nodes.For) and isinstance(node.iter, nodes.Name) and node.iter.name == "messages"
+            if isinstance(node, nodes.For)
+            and isinstance(node.iter, nodes.Name)
+            and node.iter.name == "messages"
+            and any(True for _ in node.find_all(_WRITING))
         ]
+
+    @cached_property
+    def carried(self) -> tuple[str, ...]:
+        """The namespaces the body writes (``{% set ns.flag = ... %}``), in order of first write."""
+        names = [
+            n.target.name
+            for n in walk(self.body)
+            if isinstance(n, (nodes.Assign, nodes.AssignBlock)) and isinstance(n.target, nodes.NSRef)
+        ]
+        return tuple(dict.fromkeys(names))
 
     @cached_property
     def loop(self) -> nodes.For:
@@ -108,7 +129,7 @@ def one_message_loop(parsed: Parsed) -> str | None:
     if count == 0:
         return "no top-level `{% for ... in messages %}` loop (it loops inside an `if`, or over another list)"
     if count > 1:
-        return f"{count} top-level loops over `messages`; only a template with one can be cut"
+        return f"{count} top-level loops over `messages` write output; only a template with one can be cut"
     return None
 
 
@@ -156,13 +177,33 @@ def no_imports(parsed: Parsed) -> str | None:
 
 
 @_check
-def no_namespace_writes(parsed: Parsed) -> str | None:
-    writes = (
-        n
-        for n in walk(parsed.body)
-        if isinstance(n, (nodes.Assign, nodes.AssignBlock)) and isinstance(n.target, nodes.NSRef)
-    )
-    return _first(writes, "the body writes a namespace, which carries state from one message to the next")
+def carried_namespaces_only(parsed: Parsed) -> str | None:
+    # A namespace the body writes carries state from one message to the next. That state is threaded through
+    # the bodies (part of each body's key, its value after the body remembered with the output) when the head
+    # makes the namespace once, at its top level, and nothing else in the template binds the name again or
+    # reaches it from a macro.
+    position = parsed.loops[0]
+    for name in parsed.carried:
+        made = [
+            n
+            for n in parsed.ast.body[:position]
+            if isinstance(n, nodes.Assign)
+            and isinstance(n.target, nodes.Name)
+            and n.target.name == name
+            and isinstance(n.node, nodes.Call)
+            and isinstance(n.node.node, nodes.Name)
+            and n.node.node.name == "namespace"
+        ]
+        stores = [n for n in walk(parsed.ast) if isinstance(n, nodes.Name) and n.name == name and n.ctx != "load"]
+        if len(made) != 1 or len(stores) != 1:
+            where = next(iter(n for n in walk(parsed.body) if isinstance(n, nodes.NSRef) and n.name == name))
+            return (
+                f"the body writes namespace `{name}`, which the head does not make once at its top level with "
+                f"namespace(...) (line {where.lineno})"
+            )
+        if any(isinstance(n, nodes.Name) and n.name == name for macro in parsed.macros.values() for n in walk(macro)):
+            return f"a macro reads or writes namespace `{name}`, which the body carries from message to message"
+    return None
 
 
 @_check
@@ -272,6 +313,7 @@ def _cut(template: Template, parsed: Parsed) -> SplitTemplate | Refusal:
         reach=reach,
         positional=reads_position(guarded, parents_of(guarded)),
         guards=guards,
+        carried=parsed.carried,
         reads=reads,
         whole=template,
     )
