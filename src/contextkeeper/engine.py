@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from ._exceptions import InvariantViolation, MessageError
+from ._exceptions import ContextKeeperError, InvariantViolation, MessageError
 from ._memo import shared_prefix
 from .budget import Budget
 from .messages import Conversation, Message, MessageLike, _group_units, _restore_conversation
@@ -99,10 +99,14 @@ def _sample(ask: Ask, kind: str) -> list[str]:
     return texts
 
 
-def _rate(session: Session, texts: list[str]) -> float:
-    """Characters per token of ``texts``, counted exactly."""
+def _rate(session: Session, texts: list[str]) -> float | None:
+    """Characters per token of ``texts``, counted exactly; None when the counter refuses one (the messages are
+    not validated yet: the read that follows says what is wrong, and where)."""
     many = session.text_tokens_many
-    tokens = sum(many(texts)) if many is not None else sum(map(session.text_tokens, texts))
+    try:
+        tokens = sum(many(texts)) if many is not None else sum(map(session.text_tokens, texts))
+    except ContextKeeperError:
+        return None
     return min(_SAMPLED[1], max(_SAMPLED[0], sum(map(len, texts)) / max(tokens, 1)))
 
 
@@ -115,7 +119,8 @@ def calibrated(session: Session, ask: Ask, per_token: float) -> float:
     if not per_token:
         return per_token
     samples = {kind: _sample(ask, kind) for kind in _KINDS}
-    measured = {kind: _rate(session, texts) for kind, texts in samples.items() if texts}
+    rates = {kind: _rate(session, texts) for kind, texts in samples.items() if texts}
+    measured = {kind: rate for kind, rate in rates.items() if rate is not None}
     own = measured.get("text", per_token / _MARGIN)
     session.rates = Rates(**{kind: own / rate for kind, rate in measured.items() if kind != "text"})
     return own * _MARGIN

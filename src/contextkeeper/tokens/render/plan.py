@@ -123,12 +123,13 @@ def _moved_run(
 def guard_marks(split: SplitTemplate, scope: dict[str, Any], count: int) -> list[tuple[Any, ...]] | None:
     """Each position's guard results (see ``Guard``), part of the key of its body output; None when the
     template itself must decide (a comparison that fails or is not a boolean): it is then rendered whole."""
-    guards = split.guards
-    if not guards:
+    guards, aheads = split.guards, split.aheads
+    if not guards and not aheads:
         return [()] * count
     try:
         env = split.body.environment
         columns = [guard.evaluate(env, scope, count) for guard in guards]
+        columns += [ahead.evaluate(scope[split.sequence]) for ahead in aheads]
     except Exception:  # the template decides (it may never reach the comparison, or fail clearly)
         return None
     if not all(_BOOL.issuperset(map(type, column)) for column in columns):
@@ -147,7 +148,7 @@ def generation_key(split: SplitTemplate, head_text: str, scope: dict[str, Any]) 
             sorted(
                 (k, repr(v))
                 for k, v in scope.items()
-                if k != "messages" and (reads is None or k in reads) and not callable(v)
+                if k != "messages" and k != split.sequence and (reads is None or k in reads) and not callable(v)
             )
         ),
     )

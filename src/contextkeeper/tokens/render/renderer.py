@@ -19,6 +19,11 @@ State = tuple[tuple[tuple[str, Any], ...], ...]  # each carried namespace's fiel
 _PLAIN = frozenset({type(None), bool, int, float, str})
 
 
+def _mark_names(split: SplitTemplate) -> list[str]:
+    """The variables each body's marks (its guard results, then its look-aheads) are given as."""
+    return [*(guard.name for guard in split.guards), *(ahead.name for ahead in split.aheads)]
+
+
 def _state(spaces: Sequence[Namespace]) -> State | None:
     """The fields of each namespace, when every value is a plain constant (else None: the template is rendered
     whole, as a value such as a list could be changed in place where no snapshot sees it)."""
@@ -86,8 +91,9 @@ class IncrementalRenderer:
         module = split.head.make_module(context)
         head_text = str(module)
         scope = {**context, **{k: v for k, v in vars(module).items() if not k.startswith("_")}}
-        messages = scope["messages"]
-        marks = guard_marks(split, scope, len(messages))
+        sequence = scope.get(split.sequence)
+        messages: Sequence[Any] = sequence if isinstance(sequence, (list, tuple)) else ()
+        marks = guard_marks(split, scope, len(messages)) if messages is sequence else None
         if marks is None:
             assert split.whole is not None
             return [split.whole.render(context)]
@@ -100,7 +106,7 @@ class IncrementalRenderer:
             marks,
             reach=split.reach,
             positional=split.positional,
-            guarded=bool(split.guards),
+            guarded=bool(split.guards or split.aheads),
         )
         if split.carried:
             threaded = self._threaded(plan, previous, memo, scope, marks)
@@ -155,7 +161,7 @@ class IncrementalRenderer:
         the namespaces as the last body left them, for the tail. None when a namespace holds a value that is not a
         plain constant."""
         split = self.split
-        messages = scope["messages"]
+        messages = scope[split.sequence]
         count = plan.count
         found = [scope.get(name) for name in split.carried]
         spaces = [space for space in found if isinstance(space, Namespace)]
@@ -197,7 +203,7 @@ class IncrementalRenderer:
             else:
                 _restore(spaces, state)
                 local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
-                local.update(zip((guard.name for guard in split.guards), marks[index], strict=True))
+                local.update(zip(_mark_names(split), marks[index], strict=True))
                 text = split.body.render(local)
                 after = _state(spaces)
                 if after is None:
@@ -264,7 +270,7 @@ class IncrementalRenderer:
     ) -> list[str]:
         """Each body's output, in order: found in the memo, taken whole from the previous call, or rendered."""
         split = self.split
-        messages = scope["messages"]
+        messages = scope[split.sequence]
         count = plan.count
 
         def body_of(index: int) -> str:
@@ -274,7 +280,7 @@ class IncrementalRenderer:
                 return known
             seen = window(messages, index, split.reach)
             local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
-            local.update(zip((guard.name for guard in split.guards), marks[index], strict=True))
+            local.update(zip(_mark_names(split), marks[index], strict=True))
             text = split.body.render(local)
             memo.put(body_key(split.positional, index, count, marks, seen), (seen, text, None))
             return text

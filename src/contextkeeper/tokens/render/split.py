@@ -10,6 +10,7 @@ from typing import Any
 import jinja2.meta
 from jinja2 import Template, nodes
 
+from .ahead import Ahead, take_aheads
 from .guards import Guard, take_guards
 from .scan import stop_scans
 from .syntax import IMPURE, LOOP_ATTRIBUTES, body_reach, message_reads, parents_of, reads_position, walk
@@ -35,8 +36,11 @@ class SplitTemplate:
     positional: bool = True
     # Comparisons of the position with loop-wide values, replaced in ``body`` by variables (see Guard).
     guards: tuple[Guard, ...] = ()
+    # Scans of the messages after the current one, replaced in ``body`` by variables (see Ahead).
+    aheads: tuple[Ahead, ...] = ()
     # Namespaces the head makes and the body writes: their state before each body is part of its key.
     carried: tuple[str, ...] = ()
+    sequence: str = "messages"  # the list the loop runs over: ``messages``, or a name the head binds to a slice
     # The names the body reads from the render's context (None: it may read any, e.g. through a macro).
     reads: frozenset[str] | None = None
     whole: Template | None = None  # the template itself, for a render the guards cannot decide
@@ -51,6 +55,42 @@ class Refusal:
     reason: str
 
 
+def _of_messages(value: nodes.Node) -> bool:
+    """``messages``, or a slice of it with constant bounds."""
+    if isinstance(value, nodes.Name):
+        return value.name == "messages"
+    return (
+        isinstance(value, nodes.Getitem)
+        and isinstance(value.node, nodes.Name)
+        and value.node.name == "messages"
+        and isinstance(value.arg, nodes.Slice)
+        and all(
+            part is None or isinstance(part, nodes.Const) for part in (value.arg.start, value.arg.stop, value.arg.step)
+        )
+    )
+
+
+def _assigned(root: nodes.Node) -> set[str]:
+    """The names ``{% set name = ... %}`` binds below ``root``."""
+    return {n.target.name for n in walk(root) if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name)}
+
+
+def _makes_namespace(value: nodes.Node) -> bool:
+    return isinstance(value, nodes.Call) and isinstance(value.node, nodes.Name) and value.node.name == "namespace"
+
+
+def _outside_loops(root: nodes.Node) -> list[nodes.Node]:
+    """The nodes below ``root`` that are not inside a nested loop or macro."""
+    out: list[nodes.Node] = []
+    pending = list(root.iter_child_nodes())
+    while pending:
+        node = pending.pop()
+        out.append(node)
+        if not isinstance(node, (nodes.For, nodes.Macro, nodes.CallBlock)):
+            pending.extend(node.iter_child_nodes())
+    return out
+
+
 # Nodes through which a loop can write output (or change a value in place, `{% do %}`).
 _WRITING = (nodes.Output, nodes.Include, nodes.CallBlock, nodes.FilterBlock, nodes.Block, nodes.Extends, nodes.ExprStmt)
 
@@ -60,20 +100,58 @@ class Parsed:
     """A parsed template and the parts of it the checks look at (each computed once, when first asked for)."""
 
     ast: nodes.Template
+    env: Any = None  # compiles the look-ahead tests (see ``take_aheads``)
+
+    @cached_property
+    def sequences(self) -> frozenset[str]:
+        """``messages``, and the names the template only ever binds to it or to a slice of it at its top level
+        (``{% set loop_messages = messages[1:] %}``, inside top-level ``if`` blocks too)."""
+        top: list[nodes.Node] = []
+        pending = list(self.ast.body)
+        while pending:
+            node = pending.pop()
+            top.append(node)
+            if isinstance(node, nodes.If):
+                pending += [*node.body, *node.elif_, *node.else_]
+        aliases = {n.target.name for n in top if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name)} - {
+            "messages"
+        }
+        for n in walk(self.ast):
+            if isinstance(n, nodes.Name) and n.name in aliases and n.ctx != "load":
+                assign = next((a for a in top if isinstance(a, nodes.Assign) and a.target is n), None)
+                if assign is None or not _of_messages(assign.node):
+                    aliases.discard(n.name)
+        return frozenset({"messages", *aliases})
 
     @cached_property
     def loops(self) -> list[int]:
-        """Positions of the top-level ``{% for ... in messages %}`` loops that write output. A loop that writes
-        nothing (a scan that only sets variables, such as DeepSeek's gathering of system prompts) stays in the
-        head or the tail, which are rendered afresh on every call."""
+        """Positions of the top-level loops over the messages (see ``sequences``) that write output. A loop that
+        writes nothing (a scan that only sets variables, such as DeepSeek's gathering of system prompts) stays
+        in the head or the tail, which are rendered afresh on every call."""
         return [
             i
             for i, node in enumerate(self.ast.body)
             if isinstance(node, nodes.For)
             and isinstance(node.iter, nodes.Name)
-            and node.iter.name == "messages"
+            and node.iter.name in self.sequences
             and any(True for _ in node.find_all(_WRITING))
         ]
+
+    @cached_property
+    def sequence(self) -> str:
+        """The name the message loop runs over (once ``one_message_loop`` has passed)."""
+        assert isinstance(self.loop.iter, nodes.Name)
+        return str(self.loop.iter.name)
+
+    @cached_property
+    def local_namespaces(self) -> frozenset[str]:
+        """Namespaces the body makes itself (``{% set ns = namespace(...) %}`` outside nested loops): new in every
+        iteration, so they carry nothing from one message to the next."""
+        return frozenset(
+            n.target.name
+            for n in _outside_loops(self.body)
+            if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and _makes_namespace(n.node)
+        )
 
     @cached_property
     def carried(self) -> tuple[str, ...]:
@@ -81,7 +159,9 @@ class Parsed:
         names = [
             n.target.name
             for n in walk(self.body)
-            if isinstance(n, (nodes.Assign, nodes.AssignBlock)) and isinstance(n.target, nodes.NSRef)
+            if isinstance(n, (nodes.Assign, nodes.AssignBlock))
+            and isinstance(n.target, nodes.NSRef)
+            and n.target.name not in self.local_namespaces
         ]
         return tuple(dict.fromkeys(names))
 
@@ -93,12 +173,21 @@ class Parsed:
         return loop
 
     @cached_property
+    def lifted(self) -> tuple[nodes.Template, tuple[Ahead, ...]]:
+        """The loop body with its look-ahead scans taken out (see ``take_aheads``), and those scans."""
+        raw = nodes.Template(list(self.loop.body), lineno=self.loop.lineno)
+        if self.env is None:
+            return raw, ()
+        return take_aheads(raw, self.env, self.sequence)
+
+    @cached_property
     def body(self) -> nodes.Template:
-        return nodes.Template(list(self.loop.body), lineno=self.loop.lineno)
+        """The loop body as the checks see it and the split renders it: look-ahead scans taken out."""
+        return self.lifted[0]
 
     @cached_property
     def parents(self) -> dict[int, nodes.Node]:
-        return parents_of(self.ast)
+        return {**parents_of(self.ast), **parents_of(self.body)}
 
     @cached_property
     def macros(self) -> dict[str, nodes.Macro]:
@@ -149,8 +238,9 @@ def plain_loop(parsed: Parsed) -> str | None:
 
 @_check
 def neighbours_only(parsed: Parsed) -> str | None:
-    far = (name for name, offset in message_reads(parsed.body, parsed.parents) if offset is None)
-    return _first(far, "the body reads `messages` other than as messages[loop.index0 ± c]")
+    sequence = parsed.sequence
+    far = (name for name, offset in message_reads(parsed.body, parsed.parents, sequence) if offset is None)
+    return _first(far, f"the body reads `{sequence}` other than as {sequence}[loop.index0 ± c]")
 
 
 @_check
@@ -159,7 +249,8 @@ def no_nested_message_loop(parsed: Parsed) -> str | None:
     nested = (
         inner
         for inner in walk(parsed.body)
-        if isinstance(inner, nodes.For) and any(isinstance(n, nodes.Name) and n.name == "messages" for n in walk(inner))
+        if isinstance(inner, nodes.For)
+        and any(isinstance(n, nodes.Name) and n.name in ("messages", parsed.sequence) for n in walk(inner))
     )
     return _first(nested, "a loop inside the body reads `messages`")
 
@@ -183,6 +274,11 @@ def carried_namespaces_only(parsed: Parsed) -> str | None:
     # makes the namespace once, at its top level, and nothing else in the template binds the name again or
     # reaches it from a macro.
     position = parsed.loops[0]
+    others = [node for node in parsed.ast.body if node is not parsed.loop]
+    outside = _assigned(nodes.Template(others, lineno=1))
+    shadowed = sorted(parsed.local_namespaces & outside)
+    if shadowed:
+        return f"the body makes namespace `{shadowed[0]}`, a name the template also binds outside the loop"
     for name in parsed.carried:
         made = [
             n
@@ -208,7 +304,17 @@ def carried_namespaces_only(parsed: Parsed) -> str | None:
 
 @_check
 def no_impure_calls(parsed: Parsed) -> str | None:
-    impure = (n for n in walk(parsed.body) if isinstance(n, nodes.Name) and n.name in IMPURE)
+    # A namespace the body makes for itself is new in every iteration (see ``local_namespaces``).
+    local = {
+        id(n.node.node)
+        for n in _outside_loops(parsed.body)
+        if isinstance(n, nodes.Assign)
+        and isinstance(n.target, nodes.Name)
+        and n.target.name in parsed.local_namespaces
+        and isinstance(n.node, nodes.Call)
+        and _makes_namespace(n.node)
+    }
+    impure = (n for n in walk(parsed.body) if isinstance(n, nodes.Name) and n.name in IMPURE and id(n) not in local)
     return _first(impure, f"the body uses one of {', '.join(sorted(IMPURE))} (a date, or state across messages)")
 
 
@@ -262,13 +368,16 @@ def try_split(template: Template, source: str) -> SplitTemplate | Refusal:
     """``source`` cut at its message loop, or the first check that refuses to (see :data:`CHECKS`)."""
     env = template.environment
     try:
-        parsed = Parsed(env.parse(source))
+        parsed = Parsed(env.parse(source), env)
     except Exception as exc:  # a template that does not parse here is rendered whole (and fails there, clearly)
         return Refusal("parses", f"the template does not parse: {exc}")
-    for name, check in CHECKS.items():
-        reason = check(parsed)
-        if reason is not None:
-            return Refusal(name, reason)
+    try:
+        for name, check in CHECKS.items():
+            reason = check(parsed)
+            if reason is not None:
+                return Refusal(name, reason)
+    except Exception as exc:  # a look-ahead test that does not compile, say: rendered whole
+        return Refusal("compiles", f"a part of the cut template does not compile: {exc}")
     return _cut(template, parsed)
 
 
@@ -283,7 +392,8 @@ def _cut(template: Template, parsed: Parsed) -> SplitTemplate | Refusal:
     env: Any = template.environment
     ast, loop, position = parsed.ast, parsed.loop, parsed.loops[0]
     head_nodes, tail_nodes = stop_scans(ast.body[:position]), ast.body[position + 1 :]
-    reach = body_reach(parsed.body, parsed.parents)
+    sequence = parsed.sequence
+    reach = body_reach(parsed.body, parsed.parents, sequence)
     assert reach is not None  # neighbours_only passed
     marked_loop = nodes.For(
         loop.target,
@@ -311,9 +421,11 @@ def _cut(template: Template, parsed: Parsed) -> SplitTemplate | Refusal:
         tail=tail,
         target=loop.target.name,
         reach=reach,
-        positional=reads_position(guarded, parents_of(guarded)),
+        positional=reads_position(guarded, parents_of(guarded), sequence),
         guards=guards,
+        aheads=parsed.lifted[1],
         carried=parsed.carried,
+        sequence=sequence,
         reads=reads,
         whole=template,
     )

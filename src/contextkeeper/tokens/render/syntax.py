@@ -57,31 +57,34 @@ def neighbour_offset(index: nodes.Node) -> int | None:
     return None
 
 
-def message_reads(body: nodes.Node, parents: dict[int, nodes.Node]) -> Iterator[tuple[nodes.Name, int | None]]:
-    """Each read of ``messages`` in ``body``, with its neighbour offset (None: not ``messages[loop.index0 ± c]``)."""
+def message_reads(
+    body: nodes.Node, parents: dict[int, nodes.Node], sequence: str = "messages"
+) -> Iterator[tuple[nodes.Name, int | None]]:
+    """Each read of ``messages`` (or of ``sequence``, the list the loop runs over) in ``body``, with its neighbour
+    offset (None: not ``sequence[loop.index0 ± c]``)."""
     for node in walk(body):
-        if isinstance(node, nodes.Name) and node.name == "messages" and node.ctx == "load":
+        if isinstance(node, nodes.Name) and node.name in ("messages", sequence) and node.ctx == "load":
             parent = parents.get(id(node))
-            if isinstance(parent, nodes.Getitem) and parent.node is node:
+            if node.name == sequence and isinstance(parent, nodes.Getitem) and parent.node is node:
                 yield node, neighbour_offset(parent.arg)
             else:
                 yield node, None
 
 
-def body_reach(body: nodes.Node, parents: dict[int, nodes.Node]) -> int | None:
-    """How far the body looks at neighbours, if it reads ``messages`` only as ``messages[loop.index0 ± c]``."""
+def body_reach(body: nodes.Node, parents: dict[int, nodes.Node], sequence: str = "messages") -> int | None:
+    """How far the body looks at neighbours, if it reads ``sequence`` only as ``sequence[loop.index0 ± c]``."""
     reach = 0
-    for _, offset in message_reads(body, parents):
+    for _, offset in message_reads(body, parents, sequence):
         if offset is None:
             return None
         reach = max(reach, abs(offset))
     return reach
 
 
-def reads_position(body: nodes.Template, parents: dict[int, nodes.Node]) -> bool:
-    """Whether the body uses ``loop.index``/``loop.index0`` for anything but ``messages[loop.index0 ± c]``."""
+def reads_position(body: nodes.Template, parents: dict[int, nodes.Node], sequence: str = "messages") -> bool:
+    """Whether the body uses ``loop.index``/``loop.index0`` for anything but ``sequence[loop.index0 ± c]``."""
     return any(
-        not (_tests_first(node, parents) or _picks_neighbour(node, parents))
+        not (_tests_first(node, parents) or _picks_neighbour(node, parents, sequence))
         for node in walk(body)
         if loop_position(node) is not None
     )
@@ -102,11 +105,11 @@ def _tests_first(position: nodes.Node, parents: dict[int, nodes.Node]) -> bool:
     )
 
 
-def _picks_neighbour(position: nodes.Node, parents: dict[int, nodes.Node]) -> bool:
-    """``loop.index0`` (or ``loop.index0 ± c``) used as an index into ``messages``."""
+def _picks_neighbour(position: nodes.Node, parents: dict[int, nodes.Node], sequence: str) -> bool:
+    """``loop.index0`` (or ``loop.index0 ± c``) used as an index into ``sequence``."""
     if loop_position(position) != "index0":
         return False
     child, parent = position, parents.get(id(position))
     if isinstance(parent, (nodes.Add, nodes.Sub)):
         child, parent = parent, parents.get(id(parent))
-    return isinstance(parent, nodes.Getitem) and parent.arg is child and is_name(parent.node, "messages")
+    return isinstance(parent, nodes.Getitem) and parent.arg is child and is_name(parent.node, sequence)

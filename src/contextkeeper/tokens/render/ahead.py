@@ -1,0 +1,150 @@
+"""Looks ahead of the loop position, taken out of the loop body (see :class:`Ahead`)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import nodes
+
+from ..._memo import IdentityMemo
+from .syntax import loop_position, walk
+
+# What a look-ahead's test may be made of: comparisons, boolean logic, constants, the item and one level of its
+# fields, and built-in tests (``is defined``). None of them can fail on a message view, call anything or change
+# a value, so evaluating the test on each message apart is the same as the scan evaluating it in turn.
+_PURE = (
+    nodes.Compare,
+    nodes.Operand,
+    nodes.And,
+    nodes.Or,
+    nodes.Not,
+    nodes.Const,
+    nodes.Name,
+    nodes.Getattr,
+    nodes.Getitem,
+    nodes.Test,
+)
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A scan of the messages after the current one for one that passes a test, taken out of the body.
+
+    ``{% set ns = namespace(found=false) %}{% for m in messages[loop.index:] %}{% if <test on m> %}
+    {% set ns.found = true %}{% endif %}{% endfor %}`` (gpt-oss drops the analysis of a tool call when a final
+    answer follows it) makes every body depend on all the messages after it, and costs the whole list per body.
+    With the scan replaced by ``{% if <variable> %}{% set ns.found = true %}{% endif %}``, a body depends on one
+    boolean, worked out for every position in one backward pass (each message's test remembered by identity).
+    """
+
+    name: str  # the variable that replaces the scan in the body
+    test: Any  # a compiled template that writes "1" when the test passes for ``item``
+    memo: IdentityMemo[Any, bool] = field(compare=False)
+
+    def evaluate(self, messages: Sequence[Any]) -> list[bool]:
+        """For each position, whether a later message passes the test."""
+        passes = self.memo.get_many(messages)
+        new = []
+        for index, (message, known) in enumerate(zip(messages, passes, strict=True)):
+            if known is None:
+                known = self.test.render(item=message) == "1"
+                passes[index] = known
+                new.append((message, known))
+        if new:
+            self.memo.put_many(new)
+        out = [False] * len(messages)
+        later = False
+        for index in range(len(messages) - 1, -1, -1):
+            out[index] = later
+            later = later or bool(passes[index])
+        return out
+
+
+def _scan_shape(loop: nodes.For, sequence: str) -> tuple[nodes.Node, nodes.Assign] | None:
+    """(the test, the flag write) of a loop with exactly the look-ahead's shape; else None."""
+    if loop.else_ or loop.test is not None or loop.recursive or not isinstance(loop.target, nodes.Name):
+        return None
+    source = loop.iter
+    if not (
+        isinstance(source, nodes.Getitem)
+        and isinstance(source.node, nodes.Name)
+        and source.node.name == sequence
+        and isinstance(source.arg, nodes.Slice)
+        and source.arg.stop is None
+        and source.arg.step is None
+        and source.arg.start is not None
+        and loop_position(source.arg.start) == "index"  # messages[loop.index:]: the ones after this one
+    ):
+        return None
+    if len(loop.body) != 1 or not isinstance(loop.body[0], nodes.If):
+        return None
+    guard = loop.body[0]
+    if guard.elif_ or guard.else_ or len(guard.body) != 1:
+        return None
+    write = guard.body[0]
+    if not (
+        isinstance(write, nodes.Assign)
+        and isinstance(write.target, nodes.NSRef)
+        and isinstance(write.node, nodes.Const)
+        and write.node.value is True
+    ):
+        return None
+    item = loop.target.name
+    test_nodes = [guard.test, *walk(guard.test)]
+    if not all(isinstance(n, _PURE) for n in test_nodes):
+        return None
+    if any(isinstance(n, nodes.Name) and n.name != item for n in test_nodes):
+        return None  # the test reads something besides the item
+    return guard.test, write
+
+
+def take_aheads(body: nodes.Template, env: Any, sequence: str) -> tuple[nodes.Template, tuple[Ahead, ...]]:
+    """A copy of ``body`` with each look-ahead scan at its top level (or inside its ``if`` blocks) replaced by
+    its variable."""
+    body = copy.deepcopy(body, {id(env): env})  # the nodes point at the environment: share it, do not copy it
+    aheads: list[Ahead] = []
+
+    def replace(children: list[nodes.Node]) -> list[nodes.Node]:
+        out: list[nodes.Node] = []
+        for child in children:
+            shape = _scan_shape(child, sequence) if isinstance(child, nodes.For) else None
+            if shape is not None:
+                assert isinstance(child, nodes.For)
+                assert isinstance(child.target, nodes.Name)
+                test, write = shape
+                name = f"__contextkeeper_ahead{len(aheads)}"
+                item = child.target.name
+                check = nodes.Template(
+                    [nodes.If(_renamed(test, item, env), [nodes.Output([nodes.Const("1")])], [], [])], lineno=1
+                )
+                compiled = env.from_string(check)
+                aheads.append(Ahead(name, compiled, IdentityMemo("render.ahead", sizer=lambda key, value: 64)))
+                child = nodes.If(nodes.Name(name, "load", lineno=child.lineno), [write], [], [], lineno=child.lineno)
+            elif isinstance(child, nodes.If):
+                child.body = replace(child.body)
+                child.elif_ = [_replaced_elif(branch, replace) for branch in child.elif_]
+                child.else_ = replace(child.else_)
+            out.append(child)
+        return out
+
+    body.body = replace(body.body)
+    body.set_environment(env)
+    return body, tuple(aheads)
+
+
+def _replaced_elif(branch: nodes.If, replace: Any) -> nodes.If:
+    branch.body = replace(branch.body)
+    return branch
+
+
+def _renamed(test: nodes.Node, item: str, env: Any) -> nodes.Expr:
+    """``test`` reading the loop's item as ``item`` (the name the compiled check is rendered with)."""
+    copied = copy.deepcopy(test, {id(env): env})
+    assert isinstance(copied, nodes.Expr)
+    for node in [copied, *walk(copied)]:
+        if isinstance(node, nodes.Name) and node.name == item:
+            node.name = "item"
+    return copied
