@@ -303,8 +303,9 @@ def test_a_piece_that_extends_another_reuses_its_first_blocks(vocab: str, start:
     # the schemas again.
     pieces = PieceCounter(hf_tokenizer(vocab).backend_tokenizer)
     assert pieces.in_blocks
-    # Not ASCII on any line, so every block is tokenized (ASCII text goes by pre-tokens, see the next tests).
-    schemas = "Given the following functions:\n\n" + json.dumps(TOOLS, indent=4).replace("\n", " ·\n") + "\n\n"
+    # An emoji on every line, so every block is tokenized (ASCII text and the scripts the pre-token rules cover go
+    # by pre-tokens, see the next tests).
+    schemas = "Given the following functions:\n\n" + json.dumps(TOOLS, indent=4).replace("\n", " 📦\n") + "\n\n"
     spent = []
     for question in ("What is the weather in Paris?", "And in Rome, tomorrow?"):
         text = f"{start}user{end}{schemas}{question}{end}"
@@ -318,7 +319,7 @@ def test_a_piece_that_extends_another_reuses_its_first_blocks(vocab: str, start:
 def test_a_tool_result_counted_alone_reuses_its_blocks_in_the_prompt_but_its_last_line(first: str) -> None:
     # truncate's cap counts a result on its own; the prompt holds it between a lead-in and a closing tag.
     pieces = PieceCounter(hf_tokenizer("qwen2").backend_tokenizer)
-    rows = (f'  "row {i}": {{"id": {i * 7919 % 10007}, "status": "queued — for review"}},' for i in range(90))
+    rows = (f'  "row {i}": {{"id": {i * 7919 % 10007}, "status": "queued — for review 📦"}},' for i in range(90))
     lines = [first, *rows]
     result = "\n".join([*lines, "}"])
     prompt = f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"

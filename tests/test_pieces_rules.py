@@ -17,10 +17,10 @@ from contextkeeper.tokens.pieces import RULES, AsciiWords, ByteBound, LineBlocks
 
 # What each vocabulary of the test assets gets: the rules on after verify(), and the byte bound's kind.
 EXPECTED: dict[str, tuple[set[str], str | None]] = {
-    "qwen2": ({"pieces", "segments", "blocks", "words", "bound"}, "ascii"),
-    "harmony-on-qwen2": ({"pieces", "segments", "blocks", "words", "bound"}, "ascii"),
-    "qwen35": ({"pieces", "segments", "blocks", "words", "bound"}, "ascii"),
-    "llama-bpe": ({"pieces", "segments", "blocks", "words", "bound"}, "any"),
+    "qwen2": ({"pieces", "segments", "blocks", "words", "unicode", "bound"}, "ascii"),
+    "harmony-on-qwen2": ({"pieces", "segments", "blocks", "words", "unicode", "bound"}, "ascii"),
+    "qwen35": ({"pieces", "segments", "blocks", "words", "unicode", "bound"}, "ascii"),
+    "llama-bpe": ({"pieces", "segments", "blocks", "words", "unicode", "bound"}, "any"),
     "deepseek-v4": ({"pieces", "segments", "blocks"}, None),
     "deepseek-llm": ({"pieces", "segments", "bound"}, "any"),
     "gemma-4": ({"pieces", "segments"}, None),

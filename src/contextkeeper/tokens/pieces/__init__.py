@@ -18,6 +18,10 @@ applies, proves itself against the tokenizer on probe texts, and does the counti
 - ``words``: for the first three of those, an ASCII piece counts as its pre-tokens, cut by our own regex and
   each distinct one encoded once by the BPE model (the tokenizer's own work per pre-token, without its per-call
   overhead);
+- ``unicode``: the same for pieces in other scripts (Latin with diacritics, Greek, Cyrillic, Arabic, the Indic
+  scripts, CJK, Hangul and their punctuation), with the pattern's classes written out from the Unicode tables
+  and proved against the tokenizer's own pre-tokenizer for every covered character; pieces with other
+  characters, or not in the normaliser's form, go to the tokenizer;
 - ``bound``: byte-level BPE has at most one token per UTF-8 byte (an upper bound without tokenizing).
 
 ``PieceCounter`` holds the rules that applied and verified and composes them; ``PieceCounter.full`` is the
@@ -29,6 +33,17 @@ counted without it — slower, never wrong.
 from __future__ import annotations
 
 from ._counter import PieceCounter
-from ._rules import RULES, AsciiWords, ByteBound, LineBlocks, Pieces, Rule, RuleReport, Segments
+from ._rules import RULES, AsciiWords, ByteBound, LineBlocks, Pieces, Rule, RuleReport, Segments, UnicodeWords
 
-__all__ = ["RULES", "AsciiWords", "ByteBound", "LineBlocks", "PieceCounter", "Pieces", "Rule", "RuleReport", "Segments"]
+__all__ = [
+    "RULES",
+    "AsciiWords",
+    "ByteBound",
+    "LineBlocks",
+    "PieceCounter",
+    "Pieces",
+    "Rule",
+    "RuleReport",
+    "Segments",
+    "UnicodeWords",
+]

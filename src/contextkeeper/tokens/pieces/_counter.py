@@ -9,7 +9,18 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
 from ..._memo import Memo, shared_prefix, shared_suffix, text_key_size
-from ._rules import RULES, AsciiWords, ByteBound, LineBlocks, Pieces, Rule, RuleReport, Segments, Tokenizer
+from ._rules import (
+    RULES,
+    AsciiWords,
+    ByteBound,
+    LineBlocks,
+    Pieces,
+    Rule,
+    RuleReport,
+    Segments,
+    Tokenizer,
+    UnicodeWords,
+)
 
 __all__ = ["PieceCounter"]
 
@@ -67,10 +78,13 @@ class PieceCounter:
         self._segments = self._rule(Segments)
         self._blocks = self._rule(LineBlocks)
         self._words = self._rule(AsciiWords)
+        self._unicode = self._rule(UnicodeWords)
         self._bound = self._rule(ByteBound)
+        # The pre-token rules on, in the order they take pieces (ASCII first: its regex is the smaller).
+        self._word_rules = [rule for rule in (self._words, self._unicode) if rule is not None]
         # Byte-level BPE without a prefix space (what blocks and words need): a text's first piece counts as any
         # piece after an added token, so a text alone is its pieces.
-        self._alone_as_pieces = self._pieces is not None and (self._blocks is not None or self._words is not None)
+        self._alone_as_pieces = self._pieces is not None and (self._blocks is not None or bool(self._word_rules))
 
     @property
     def rules(self) -> RuleReport:
@@ -279,26 +293,25 @@ class PieceCounter:
         return lengths
 
     def _long_pieces(self, pieces: list[str]) -> dict[str, list[str]]:
-        """The pieces counted in line blocks (long, and not ASCII where pre-tokens count those), cut."""
+        """The pieces counted in line blocks (long, and not counted by pre-tokens), cut."""
         blocks = self._blocks
         if blocks is None:
             return {}
-        ascii_words = self._words is not None
-        return {
-            piece: blocks.cut(piece)
-            for piece in pieces
-            if len(piece) >= blocks.size and not (ascii_words and piece.isascii())
-        }
+        return {piece: blocks.cut(piece) for piece in pieces if len(piece) >= blocks.size and not self._by_words(piece)}
+
+    def _by_words(self, piece: str) -> bool:
+        """Whether a pre-token rule counts ``piece``."""
+        return any(rule.takes(piece) for rule in self._word_rules)
 
     def _encode_pieces(self, todo: list[str]) -> dict[str, int]:
-        """Tokens of each piece after an added token: ASCII ones by pre-tokens where that rule is on."""
+        """Tokens of each piece after an added token: by pre-tokens where a rule takes the piece (ASCII ones,
+        then those of the covered scripts), the rest by the tokenizer."""
         lengths: dict[str, int] = {}
-        words = self._words
-        if words is not None:
-            plain = [piece for piece in todo if piece.isascii()]
-            if plain:
-                lengths.update(zip(plain, words.count(plain, self._tokenizer), strict=True))
-                todo = [piece for piece in todo if not piece.isascii()]
+        for rule in self._word_rules:
+            taken = [piece for piece in todo if rule.takes(piece)]
+            if taken:
+                lengths.update(zip(taken, rule.count(taken, self._tokenizer), strict=True))
+                todo = [piece for piece in todo if piece not in lengths]
         if todo:
             assert self._pieces is not None
             lengths.update(zip(todo, self._pieces.after(todo, self._tokenizer), strict=True))
@@ -310,9 +323,7 @@ class PieceCounter:
         :meth:`count` is left alone, so counting snippets between prompts costs the prompts nothing."""
         cached = self._alone.get(text)
         if cached is None:
-            by_rules = (self._blocks is not None and len(text) >= self._blocks.size) or (
-                self._words is not None and text.isascii()
-            )
+            by_rules = (self._blocks is not None and len(text) >= self._blocks.size) or self._by_words(text)
             if self._alone_as_pieces and by_rules:
                 return self.alone_many([text])[0]
             cached = self.full(text)
@@ -342,8 +353,8 @@ class PieceCounter:
     # -- state -----------------------------------------------------------------------------------------------
     @property
     def encoded_chars(self) -> int:
-        """Characters sent to the tokenizer so far (for ASCII text under the pre-token rule: the new pre-tokens
-        handed to its BPE model): what caching saves is visible here."""
+        """Characters sent to the tokenizer so far (for text under a pre-token rule: the new pre-tokens handed to
+        its BPE model): what caching saves is visible here."""
         return self._tokenizer.chars
 
     def fork(self) -> PieceCounter:
