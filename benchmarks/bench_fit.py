@@ -80,12 +80,14 @@ def _arguments(value: Any) -> Any:
     return value if value is not None else {}
 
 
-def server_dicts(messages: Messages) -> Messages:
+def server_dicts(messages: Messages, content_format: str = "string") -> Messages:
     """The messages as an OpenAI-compatible server (vLLM) hands them to the template.
 
     Written here, independently of contextkeeper, and without any validation (peers may return tool results
     without their call, which a server still renders): text content as one string (None -> ""), tool-call
-    arguments parsed to objects, only the keys the server reads.
+    arguments parsed to objects, only the keys the server reads. With ``content_format="openai"`` (templates
+    that loop over a message's content) the text is one ``{"type": "text"}`` part (None -> no parts), except a
+    tool result's, which stays a string.
     """
     out = []
     for message in messages:
@@ -94,7 +96,11 @@ def server_dicts(messages: Messages) -> Messages:
             content = "\n".join(
                 part.get("text") or "" for part in content if isinstance(part, dict) and part.get("type") == "text"
             )
-        data: dict[str, Any] = {"role": message["role"], "content": content if isinstance(content, str) else ""}
+        text = content if isinstance(content, str) else ""
+        body: str | list[dict[str, str]] = text
+        if content_format == "openai" and message["role"] != "tool":
+            body = [{"type": "text", "text": text}] if text or content is not None else []
+        data: dict[str, Any] = {"role": message["role"], "content": body}
         for key in ("name", "tool_call_id"):
             if message.get(key) is not None:
                 data[key] = message[key]
@@ -117,9 +123,10 @@ def server_dicts(messages: Messages) -> Messages:
 class Truth:
     """Exact prompt tokens of a list of OpenAI dicts: the real template, the tools, the generation prompt."""
 
-    def __init__(self, tokenizer: Any, source: str) -> None:
+    def __init__(self, tokenizer: Any, source: str | None, content_format: str = "string") -> None:
         self.tokenizer = tokenizer
         self.source = source
+        self.content_format = content_format
         self._best: dict[tuple[int, int], tuple[int, int] | None] = {}
 
     def best(self, messages: Messages, start: int, stop: int) -> tuple[int, int] | None:
@@ -130,7 +137,7 @@ class Truth:
 
     def count(self, messages: Messages) -> int:
         ids = self.tokenizer.apply_chat_template(
-            server_dicts(messages),
+            server_dicts(messages, self.content_format),
             tools=TOOLS,
             add_generation_prompt=True,
             tokenize=True,
@@ -247,16 +254,15 @@ def _text(content: Any) -> str:
     return ""
 
 
-def contextkeeper_methods(vocab: str, source: str, messages: Messages) -> list[Method] | str:
+def contextkeeper_methods(tokenizer: str, source: str | None, messages: Messages) -> list[Method] | str:
+    """The keeper on ``tokenizer`` (a tokenizer folder or ``mistral:<name>``) with ``source`` as its template."""
     keeper_class = getattr(ck, "ContextKeeper", None)
     if keeper_class is None:
         return "contextkeeper.ContextKeeper is not available in this checkout"
     state: dict[str, Any] = {}
 
     def make() -> Any:
-        return keeper_class(
-            tokenizer=str(tokenizer_dir(vocab)), chat_template=source, context_window=CONTEXT_WINDOW, policy="default"
-        )
+        return keeper_class(tokenizer=tokenizer, chat_template=source, context_window=CONTEXT_WINDOW, policy="default")
 
     def reset() -> None:
         t0 = time.perf_counter()
@@ -277,7 +283,7 @@ def contextkeeper_methods(vocab: str, source: str, messages: Messages) -> list[M
     return [Method("contextkeeper `ContextKeeper.fit`", "whole", lambda stop: 1, run, reset, state)]
 
 
-def langchain_methods(tokenizer: Any, source: str, messages: Messages, last_stop: int) -> list[Method] | str:
+def langchain_methods(tokenizer: Any, source: str | None, messages: Messages, last_stop: int) -> list[Method] | str:
     try:
         from langchain_core.messages import convert_to_messages, convert_to_openai_messages, trim_messages
     except ImportError as exc:
@@ -477,7 +483,7 @@ def run_case(label: str, template_name: str, vocab: str, args: argparse.Namespac
         print(f"WARNING: {label}: HFChatTemplateCounter and the recount disagree on the best suffix", file=sys.stderr)
 
     groups: list[tuple[str, list[Method] | str, int, int]] = [
-        ("contextkeeper", contextkeeper_methods(vocab, source, messages), args.turns, args.repeats),
+        ("contextkeeper", contextkeeper_methods(str(tokenizer_dir(vocab)), source, messages), args.turns, args.repeats),
         ("LangChain", langchain_methods(tokenizer, source, messages, stops[args.peer_turns]), args.peer_turns, 1),
         ("LlamaIndex", llamaindex_methods(tokenizer, messages, args.llamaindex_messages), args.peer_turns, 1),
         ("LiteLLM", litellm_methods(messages), args.peer_turns, 1),
