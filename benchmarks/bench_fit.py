@@ -373,7 +373,9 @@ def llamaindex_methods(tokenizer: Any, messages: Messages, window: int) -> list[
     return [Method("LlamaIndex `ChatMemoryBuffer`", f"last {window}", lambda stop: max(1, stop - window), run, reset)]
 
 
-def litellm_methods(messages: Messages) -> list[Method] | str:
+def litellm_methods(messages: Messages, window: int = 0) -> list[Method] | str:
+    """LiteLLM's ``trim_messages``, on the whole conversation or (``window``) the system prompt and the last
+    ``window`` messages before each call."""
     try:
         import litellm
         from litellm.utils import trim_messages
@@ -381,13 +383,18 @@ def litellm_methods(messages: Messages) -> list[Method] | str:
         return f"litellm not importable ({exc})"
     litellm.telemetry = False
 
+    def start(stop: int) -> int:
+        return max(1, stop - window) if window else 1
+
     def run(stop: int) -> Call:
         t0 = time.perf_counter()
-        out = trim_messages(messages[:stop], model=LITELLM_MODEL, max_tokens=BUDGET)
+        given = messages[:stop] if not window else messages[:1] + messages[start(stop) : stop]
+        out = trim_messages(given, model=LITELLM_MODEL, max_tokens=BUDGET)
         seconds = time.perf_counter() - t0
         return Call(out, litellm.token_counter(model=LITELLM_MODEL, messages=out), seconds)
 
-    return [Method(f"LiteLLM `trim_messages` ({LITELLM_MODEL})", "whole", lambda stop: 1, run)]
+    note = f"last {window}" if window else "whole"
+    return [Method(f"LiteLLM `trim_messages` ({LITELLM_MODEL})", note, start, run)]
 
 
 # --- measuring ----------------------------------------------------------------------------------------------

@@ -333,7 +333,7 @@ def run_case(case: Case, vocab: Vocabulary, args: argparse.Namespace) -> CaseRes
                 1,
             ),
             ("LlamaIndex", llamaindex_methods(vocab.tokenizer, messages, window), args.peer_turns, 1),
-            ("LiteLLM", litellm_methods(messages), args.litellm_turns, 1),  # a minute or more a call: fewer turns
+            ("LiteLLM", litellm_methods(messages, args.litellm_messages), args.litellm_turns, 1),
         ]
     for group, methods, turns, repeats in groups:
         if isinstance(methods, str):
@@ -594,7 +594,7 @@ Cold is a fresh keeper's first fit; turn p50 is the median of the same keeper's 
 {r} run(s), each with a fresh keeper). Each peer gets {p} more call(s) after its cold one, LiteLLM {lt}: LangChain's
 `trim_messages` with the template counter and with the per-message counter, LlamaIndex's `ChatMemoryBuffer` on
 the last messages that hold at most {li:,} content tokens (it recounts its window for every message it drops),
-and LiteLLM's `trim_messages` (model `{m}`). **≥ 45× LangChain exact** is LangChain's cold time with the
+and LiteLLM's `trim_messages` (model `{m}`) on {lm}. **≥ 45× LangChain exact** is LangChain's cold time with the
 template counter over contextkeeper's.
 
 **The floor** is the least any exact count of the kept window costs here: (a) one `encode_batch_fast`
@@ -619,6 +619,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="contextkeeper runs (median reported)")
     parser.add_argument("--peer-turns", type=int, default=1, help="per-turn calls of LangChain and LlamaIndex")
     parser.add_argument("--litellm-turns", type=int, default=1, help="per-turn calls of LiteLLM")
+    parser.add_argument(
+        "--litellm-messages", type=int, default=300, help="LiteLLM gets the last this many messages (0: all)"
+    )
     parser.add_argument("--llamaindex-tokens", type=int, default=90_000, help="LlamaIndex gets this many tokens")
     parser.add_argument("--many", type=int, default=50, help="conversations on one keeper")
     parser.add_argument("--many-messages", type=int, default=600, help="messages of each at its first fit")
@@ -700,6 +703,9 @@ def main() -> int:
         p=args.peer_turns,
         lt=args.litellm_turns,
         li=args.llamaindex_tokens,
+        lm=f"the last {args.litellm_messages} messages (on the whole conversation it takes a minute or more a call)"
+        if args.litellm_messages
+        else "the whole conversation",
         m=LITELLM_MODEL,
         fr=args.floor_repeats,
     )

@@ -18,6 +18,11 @@ it must not be refused for that.
 The checks are compiled into the template: our code generator wraps each loop's iterable and each output, and
 the environment intercepts calls, the string-building operators and the filters that can grow their input.
 Past a bound the render stops with :class:`TemplateLimitExceeded`, naming the bound and the setting to raise.
+
+Scans that Jinja cannot stop (it has no ``break`` in the syntax templates use) are stopped at compile time once
+their remaining iterations provably do nothing (see :mod:`.render.settle`), so a template that scans the chat
+for every message is no longer quadratic in its length. ``compile_template(source, False)`` compiles without
+that, the slow reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from .._exceptions import ChatTemplateError, ConfigurationError, TemplateLimitEx
 from .._memo import IdentityMemo, approx_size, data_size, memoize
 from .._memo import same_values as same_values
 from .render import LoopState
+from .render.settle import ITEMS, NO_PLAN, SettlePlan, settle
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -621,6 +627,11 @@ def _bounded_binop(operator: str, hook: str) -> Callable[[CodeGenerator, nodes.B
     return visitor
 
 
+# The settled loops of the tree being compiled in this thread: Jinja builds the code generator itself, inside
+# Environment._generate.
+_SETTLING: contextvars.ContextVar[SettlePlan] = contextvars.ContextVar("contextkeeper_settling", default=NO_PLAN)
+
+
 class _BoundedCodeGenerator(CodeGenerator):
     """Jinja's code generator with the bounds compiled in: every ``for`` iterates through ``ck_iter``, output
     written into a buffer (a macro's, a ``{% set %}`` block's) goes through ``ck_out`` / ``ck_const`` (output at
@@ -631,9 +642,15 @@ class _BoundedCodeGenerator(CodeGenerator):
         super().__init__(*args, **kwargs)
         self._loop_iters: set[int] = set()  # ids of the iterables of the loops being compiled
         self._buffered = False  # whether the Output being compiled writes into a buffer
+        self._settled = _SETTLING.get()  # the settled loops of the tree being compiled (see _ChatSandbox)
+        self._kept: dict[int, str] = {}  # a settled loop's key -> the Python name its iterable is kept under
+        self._keep: dict[int, str] = {}  # id of a settled loop's iterable -> that name
 
     def visit_For(self, node: nodes.For, frame: Frame) -> None:
         self._loop_iters.add(id(node.iter))
+        key = self._settled.loops.get(id(node))
+        if key is not None:
+            self._keep[id(node.iter)] = self._kept[key] = self.temporary_identifier()
         try:
             super().visit_For(node, frame)
         finally:
@@ -642,11 +659,30 @@ class _BoundedCodeGenerator(CodeGenerator):
     def visit(self, node: nodes.Node, *args: Any, **kwargs: Any) -> Any:
         if id(node) not in self._loop_iters:
             return super().visit(node, *args, **kwargs)
-        # A loop's iterable (once per loop, and again where a recursive loop calls itself).
-        self.write("environment.ck_iter(")
+        # A loop's iterable (once per loop, and again where a recursive loop calls itself). A settled loop's is
+        # also kept in a local for its break: the ``for`` and its body are in one Python function.
+        kept = self._keep.get(id(node))
+        self.write("environment.ck_iter(" if kept is None else f"environment.ck_iter(({kept} := ")
         result = super().visit(node, *args, **kwargs)
-        self.write(")")
+        self.write(")" if kept is None else "))")
         return result
+
+    def visit_Break(self, node: nodes.Break, frame: Frame) -> None:
+        stop = self._settled.breaks.get(id(node))
+        if stop is None:
+            super().visit_Break(node, frame)
+            return
+        # A settled loop's break (see render.settle), taken only when the run-time checks allow it. Their answer
+        # holds for the rest of the loop (nothing the checks look at changes in it), so a "no" drops the kept
+        # iterable and later iterations are refused at once, instead of checking every item again.
+        kept = self._kept[stop.loop]
+        self.writeline(f"if environment.ck_settled({kept}, ", node)
+        self.visit(nodes.Name(stop.space, "load", lineno=node.lineno), frame)
+        self.write(f", {stop.items!r}):")
+        self.indent()
+        self.writeline("break", node)
+        self.outdent()
+        self.writeline(f"{kept} = None")
 
     def visit_Output(self, node: nodes.Output, frame: Frame) -> None:
         self._buffered = frame.buffer is not None
@@ -742,12 +778,48 @@ def _counted(iterable: Iterable[Any], budget: _Budget) -> Iterator[Any]:
     return chain.from_iterable(iter(batch, []))
 
 
+# Iterables whose iteration cannot fail or run the template's or the caller's code (the sandbox is immutable: a
+# list cannot change while it is iterated). A settled loop over anything else (a filter's generator) runs out.
+_SETTLED_ITERABLES = frozenset({list, tuple, range, str, dict})
+
+
 class _ChatSandbox(ImmutableSandboxedEnvironment):
-    """The transformers sandbox with a fast path for ``dict.key`` lookups, and the bounds (see the module)."""
+    """The transformers sandbox with a fast path for ``dict.key`` lookups, the bounds, and settled scans (see the
+    module). ``settle_scans = False`` (:class:`_ReferenceSandbox`) compiles every loop as it is written."""
 
     code_generator_class = _BoundedCodeGenerator
     template_class = _BoundedTemplate
     intercepted_binops = frozenset({"*", "+", "%", "**"})
+    settle_scans = True
+    # The classes ``namespace(...)`` makes here: Jinja's, and the environment's own global (transformers' subclass
+    # refuses underscore names when one is set, and reads like Jinja's).
+    namespace_types: frozenset[type] = frozenset({Namespace})
+
+    def _generate(
+        self, source: nodes.Template, name: str | None, filename: str | None, defer_init: bool = False
+    ) -> str:
+        # Every compile passes here, from source text and from trees the template splitter builds; the splitter
+        # and the other checks parse the source themselves, so they see the template as written.
+        plan = NO_PLAN
+        if self.settle_scans:
+            source, plan = settle(source, self.tests)
+        token = _SETTLING.set(plan)  # for the code generator, which Jinja builds inside
+        try:
+            return super()._generate(source, name, filename, defer_init)
+        finally:
+            _SETTLING.reset(token)
+
+    def ck_settled(self, iterable: Any, space: Any, items: str) -> bool:
+        """Whether a settled loop may stop: what its compiled test could not see, checked now (once per loop)."""
+        kind = type(iterable)
+        if type(space) not in self.namespace_types or kind not in _SETTLED_ITERABLES:
+            return False
+        allowed = ITEMS[items]
+        if allowed is None:
+            return True
+        if kind is range or kind is str:
+            return (int if kind is range else str) in allowed
+        return set(map(type, iterable)) <= allowed
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         # Jinja's sandbox first tries getattr(dict, key), fails, then indexes; for keys that are not dict
@@ -1003,12 +1075,22 @@ def _template_size(key: Any, template: Any) -> int:
     return 64 * len(key[0]) + 64 * 1024
 
 
+class _ReferenceSandbox(_ChatSandbox):
+    """The sandbox with every loop compiled as written: the slow reference settled scans are checked against."""
+
+    settle_scans = False
+
+
+_SANDBOXES: dict[bool, type[_ChatSandbox]] = {True: _ChatSandbox, False: _ReferenceSandbox}
+
+
 @memoize("sandbox.templates", sizer=_template_size)
-def compile_template(source: str) -> Template:
+def compile_template(source: str, settle_scans: bool = True) -> Template:
     """Compile ``source`` in a sandbox configured exactly like transformers' chat-template environment, with
-    the bounds compiled in. Raises what Jinja raises (``TemplateSyntaxError`` and friends)."""
+    the bounds compiled in and (unless ``settle_scans`` is False) its settled scans stopped early. Raises what
+    Jinja raises (``TemplateSyntaxError`` and friends)."""
     reference = _reference_environment()
-    env = _ChatSandbox(
+    env = _SANDBOXES[settle_scans](
         trim_blocks=reference.trim_blocks,
         lstrip_blocks=reference.lstrip_blocks,
         extensions=[type(ext) for ext in reference.extensions.values()],
@@ -1020,6 +1102,9 @@ def compile_template(source: str) -> Template:
         if name in env.filters:
             env.filters[name] = _bounded_filter(env.filters[name], check)
     env.globals.update(reference.globals)
+    made = env.globals.get("namespace")
+    if isinstance(made, type) and issubclass(made, Namespace):
+        env.namespace_types = frozenset({Namespace, made})
     for name, bound in (("lipsum", _bounded_lipsum), ("range", _bounded_range)):
         original = env.globals.get(name)
         if callable(original):
