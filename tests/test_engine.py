@@ -194,3 +194,16 @@ def test_the_measured_rate_follows_the_script_and_the_kind_of_text() -> None:
     assert 0.5 <= rates["chinese"] < 3.0  # CJK: about one and a half, with the margin
     # A character of JSON is worth more tokens beside English prose than beside Chinese.
     assert weights["english"] > 2 * weights["chinese"]
+
+
+def test_a_foresight_written_without_the_rate_is_called_without_it() -> None:
+    class Older:
+        def kept_chars(self, role: str, chars: float, newer_results: int) -> float:
+            return chars / 2
+
+    class Newer:
+        def kept_chars(self, role: str, chars: float, newer_results: int, per_token: float = 4.0) -> float:
+            return per_token
+
+    assert engine._kept_chars(Older())("tool", 100.0, 3, 2.5) == 50.0  # type: ignore[arg-type]
+    assert engine._kept_chars(Newer())("tool", 100.0, 3, 2.5) == 2.5  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ caller's format with its report (:func:`finish`). State between fits lives only 
 from __future__ import annotations
 
 import bisect
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -443,7 +444,7 @@ def _horizon(setup: Setup, session: Session, ask: Ask, per_token: float) -> int:
     sys_end, last_user = ask.sys_end, ask.last_user
     if not per_token:
         return sys_end
-    foresight = [strategy for strategy, _ in setup.pipeline if isinstance(strategy, Foresight)]
+    foresight = [_kept_chars(strategy) for strategy, _ in setup.pipeline if isinstance(strategy, Foresight)]
     budget = ask.budget.prompt * per_token
     # The system prompt and the request are always kept: history has the rest of the budget.
     kept = (*range(sys_end), *range(last_user, len(ask.messages)))
@@ -455,8 +456,8 @@ def _horizon(setup: Setup, session: Session, ask: Ask, per_token: float) -> int:
     for index in range(last_user - 1, sys_end - 1, -1):
         role = ask.roles[index]
         chars = _chars(ask.messages[index], role, rates)
-        for strategy in foresight:
-            chars = strategy.kept_chars(role, chars, results, per_token)
+        for kept_chars in foresight:
+            chars = kept_chars(role, chars, results, per_token)
         used += chars + overhead
         results += role == "tool"
         if role == "user":
@@ -466,6 +467,20 @@ def _horizon(setup: Setup, session: Session, ask: Ask, per_token: float) -> int:
     else:
         return sys_end
     return horizon
+
+
+def _kept_chars(strategy: Foresight) -> Callable[[str, float, int, float], float]:
+    """The strategy's ``kept_chars``; one written before it took the chat's characters per token is called
+    without them."""
+    method = strategy.kept_chars
+    try:
+        takes_rate = len(inspect.signature(method).parameters) >= 4
+    except (TypeError, ValueError):  # no signature to read (a builtin): call it as the protocol says
+        takes_rate = True
+    if takes_rate:
+        return method
+    older = cast(Callable[[str, float, int], float], method)
+    return lambda role, chars, newer, per_token: older(role, chars, newer)
 
 
 def _units(
