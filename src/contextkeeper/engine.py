@@ -50,16 +50,41 @@ def _role(message: Any) -> str:
 
 
 def _texts(message: Any) -> tuple[str, str]:
-    """A message's text as the horizon measures it: its content, and its tool calls written out."""
+    """A message's text as the horizon measures it: its content, and its tool calls (names and arguments).
+    Read before the message is validated, so only strings are taken as they are: a part or an argument that
+    is not a string stands for a fixed size (written out, a caller's data could be any size: a structure that
+    holds one list in many places would be written out once per path)."""
     content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
     if isinstance(content, str):
         text = content
-    elif isinstance(content, list):
-        text = "".join(str(part.get("text", "")) if isinstance(part, dict) else " " * 16 for part in content)
+    elif isinstance(content, (list, tuple)):
+        text = "".join(_part_text(part) for part in content[:_PARTS])
     else:
         text = ""
     calls = message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)
-    return text, str(calls) if calls else ""
+    if not isinstance(calls, (list, tuple)) or not calls:
+        return text, ""
+    return text, "".join(_call_text(call) for call in calls[:_PARTS])
+
+
+_PARTS = 256  # content parts or tool calls measured per message (the rest are validated, then counted)
+_OPAQUE = " " * 16  # what a part or an argument that is not a string stands for
+
+
+def _part_text(part: Any) -> str:
+    value = part.get("text") if isinstance(part, dict) else part if isinstance(part, str) else None
+    return value if isinstance(value, str) else _OPAQUE
+
+
+def _call_text(call: Any) -> str:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return _OPAQUE
+    name, arguments = function.get("name"), function.get("arguments")
+    # Written as templates write a call (most as JSON), so it is measured and weighed as that text.
+    name = name if isinstance(name, str) else ""
+    arguments = arguments if isinstance(arguments, str) else _OPAQUE * 4
+    return '{"name": "' + name + '", "arguments": ' + arguments + "}\n"
 
 
 def _chars(message: Any, role: str, rates: Rates) -> float:
