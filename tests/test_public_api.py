@@ -186,6 +186,7 @@ INTERNAL: dict[str, str] = {
     "contextkeeper.policy.resolve_policy": POLICY_FILES,
     "contextkeeper.policy.user_policy_files": POLICY_FILES,
     "contextkeeper.policy.validate_policy_files": POLICY_FILES,
+    "contextkeeper.session.Rates": SESSION,
     "contextkeeper.session.Session": SESSION,
     "contextkeeper.session.Sessions": SESSION,
     "contextkeeper.session.Sticky": SESSION,

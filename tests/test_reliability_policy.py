@@ -325,7 +325,9 @@ def test_embeddings_load_only_when_asked_and_the_report_says_so(
     unloaded: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     steps = (PolicyStep(strategy="retrieval", embeddings=True),)
-    keeper = ck.ContextKeeper("mistral:tekken", context_window=2500, policy=Policy(name="rag", steps=steps))
+    # Read the whole chat (horizon 0): the step must see more than fits, whatever the horizon estimates.
+    policy = Policy(name="rag", steps=steps, horizon=0)
+    keeper = ck.ContextKeeper("mistral:tekken", context_window=2500, policy=policy)
     with caplog.at_level(logging.INFO, logger="contextkeeper"):
         fit = keeper.fit(_search_chat(), max_tokens=256)
     (action,) = [a for a in fit.report.actions if a.strategy == "retrieval"]

@@ -100,6 +100,7 @@ _SAMPLE_CHARS = 6_000
 _SAMPLE_MESSAGES = 24
 _MARGIN = 1.15  # read this much beyond the estimate, so the window has whole turns to choose from
 _SAMPLED = (0.5, 12.0)  # the range a measured characters-per-token figure is kept in
+_BEYOND = 2.0  # how much further the read goes when a step summarises the history that does not fit
 # Tokens a template writes around each message (role headers, end markers; more around tool calls and results).
 _PER_MESSAGE = 6
 
@@ -471,6 +472,12 @@ def _horizon(setup: Setup, session: Session, ask: Ask, per_token: float) -> int:
         return sys_end
     foresight = [_kept_chars(strategy) for strategy, _ in setup.pipeline if isinstance(strategy, Foresight)]
     budget = ask.budget.prompt * per_token
+    if any(
+        getattr(strategy, "reads_beyond", False)
+        and (setup.backend is not None or not getattr(strategy, "needs_backend", False))
+        for strategy, _ in setup.pipeline
+    ):
+        budget *= _BEYOND  # a step that summarises what does not fit needs that history read
     # The system prompt and the request are always kept: history has the rest of the budget.
     kept = (*range(sys_end), *range(last_user, len(ask.messages)))
     rates = session.rates

@@ -106,6 +106,8 @@ class Summarize(StrategySettings):
 
     name: ClassVar[str] = "summarize"
     needs_backend: ClassVar[bool] = True  # the keeper skips this step when no summarizer is set
+    # It turns history that does not fit into a summary, so the keeper reads beyond what fits as it is.
+    reads_beyond: ClassVar[bool] = True
 
     keep_recent: int = Field(default=4, ge=0)
     max_summary_tokens: int = Field(default=512, ge=1)
