@@ -108,22 +108,25 @@ _PER_MESSAGE = 6
 _KINDS = ("text", "results", "calls")
 
 
-def _sample(ask: Ask, kind: str) -> list[str]:
-    """The newest texts of one kind: the text of messages other than tool results, tool results, tool calls."""
-    texts: list[str] = []
-    sampled = 0
+def _samples(ask: Ask) -> dict[str, list[str]]:
+    """The newest texts of each kind, in one pass from the end: the text of messages other than tool results,
+    tool results, and tool calls; each kind until it holds ``_SAMPLE_CHARS`` characters or ``_SAMPLE_MESSAGES``
+    texts."""
+    samples: dict[str, list[str]] = {kind: [] for kind in _KINDS}
+    sizes = dict.fromkeys(_KINDS, 0)
+    open_kinds = set(_KINDS)
     for index in range(len(ask.messages) - 1, ask.sys_end - 1, -1):
-        result = ask.roles[index] == "tool"
-        if result != (kind == "results"):
-            continue
+        if not open_kinds:
+            break
         text, calls = _texts(ask.messages[index])
-        text = calls if kind == "calls" else text
-        if text:
-            texts.append(text)
-            sampled += len(text)
-            if sampled >= _SAMPLE_CHARS or len(texts) >= _SAMPLE_MESSAGES:
-                break
-    return texts
+        found = (("results", text),) if ask.roles[index] == "tool" else (("text", text), ("calls", calls))
+        for kind, sample in found:
+            if sample and kind in open_kinds:
+                samples[kind].append(sample)
+                sizes[kind] += len(sample)
+                if sizes[kind] >= _SAMPLE_CHARS or len(samples[kind]) >= _SAMPLE_MESSAGES:
+                    open_kinds.discard(kind)
+    return samples
 
 
 def _rate(session: Session, texts: list[str]) -> float | None:
@@ -145,8 +148,7 @@ def calibrated(session: Session, ask: Ask, per_token: float) -> float:
     measure, or when it reads everything (0)."""
     if not per_token:
         return per_token
-    samples = {kind: _sample(ask, kind) for kind in _KINDS}
-    rates = {kind: _rate(session, texts) for kind, texts in samples.items() if texts}
+    rates = {kind: _rate(session, texts) for kind, texts in _samples(ask).items() if texts}
     measured = {kind: rate for kind, rate in rates.items() if rate is not None}
     own = measured.get("text", per_token / _MARGIN)
     session.rates = Rates(**{kind: own / rate for kind, rate in measured.items() if kind != "text"})

@@ -10,23 +10,8 @@ from typing import Any
 from jinja2 import nodes
 
 from ..._memo import IdentityMemo
+from .settle import pure_test
 from .syntax import loop_position, walk
-
-# What a look-ahead's test may be made of: comparisons, boolean logic, constants, the item and one level of its
-# fields, and built-in tests (``is defined``). None of them can fail on a message view, call anything or change
-# a value, so evaluating the test on each message apart is the same as the scan evaluating it in turn.
-_PURE = (
-    nodes.Compare,
-    nodes.Operand,
-    nodes.And,
-    nodes.Or,
-    nodes.Not,
-    nodes.Const,
-    nodes.Name,
-    nodes.Getattr,
-    nodes.Getitem,
-    nodes.Test,
-)
 
 
 @dataclass(frozen=True)
@@ -63,7 +48,7 @@ class Ahead:
         return out
 
 
-def _scan_shape(loop: nodes.For, sequence: str) -> tuple[nodes.Node, nodes.Assign] | None:
+def _scan_shape(loop: nodes.For, sequence: str, tests: Any) -> tuple[nodes.Node, nodes.Assign] | None:
     """(the test, the flag write) of a loop with exactly the look-ahead's shape; else None."""
     if loop.else_ or loop.test is not None or loop.recursive or not isinstance(loop.target, nodes.Name):
         return None
@@ -92,12 +77,11 @@ def _scan_shape(loop: nodes.For, sequence: str) -> tuple[nodes.Node, nodes.Assig
         and write.node.value is True
     ):
         return None
-    item = loop.target.name
-    test_nodes = [guard.test, *walk(guard.test)]
-    if not all(isinstance(n, _PURE) for n in test_nodes):
+    # The test must be one the settled scans accept (see ``pure_test``): built from the later message and literals
+    # only, it is the same evaluated on each message apart as in turn. A test that fails on some message fails
+    # the marks, and the template is then rendered whole.
+    if pure_test(guard.test, loop.target.name, tests) is None:
         return None
-    if any(isinstance(n, nodes.Name) and n.name != item for n in test_nodes):
-        return None  # the test reads something besides the item
     return guard.test, write
 
 
@@ -110,7 +94,7 @@ def take_aheads(body: nodes.Template, env: Any, sequence: str) -> tuple[nodes.Te
     def replace(children: list[nodes.Node]) -> list[nodes.Node]:
         out: list[nodes.Node] = []
         for child in children:
-            shape = _scan_shape(child, sequence) if isinstance(child, nodes.For) else None
+            shape = _scan_shape(child, sequence, env.tests) if isinstance(child, nodes.For) else None
             if shape is not None:
                 assert isinstance(child, nodes.For)
                 assert isinstance(child.target, nodes.Name)

@@ -19,6 +19,11 @@ State = tuple[tuple[tuple[str, Any], ...], ...]  # each carried namespace's fiel
 _PLAIN = frozenset({type(None), bool, int, float, str})
 
 
+def _same_window(known: tuple[Any, ...], seen: tuple[Any, ...]) -> bool:
+    """Whether a kept body's window holds the very same message objects as this one (ids can be reused)."""
+    return len(known) == len(seen) and all(a is b for a, b in zip(known, seen, strict=True))
+
+
 def _mark_names(split: SplitTemplate) -> list[str]:
     """The variables each body's marks (its guard results, then its look-aheads) are given as."""
     return [*(guard.name for guard in split.guards), *(ahead.name for ahead in split.aheads)]
@@ -193,18 +198,12 @@ class IncrementalRenderer:
             seen = window(messages, index, split.reach)
             key = (body_key(split.positional, index, count, marks, seen), state)
             known = memo.get(key)
-            if (
-                known is not None
-                and len(known[0]) == len(seen)
-                and all(a is b for a, b in zip(known[0], seen, strict=True))
-            ):
+            if known is not None and _same_window(known[0], seen):
                 text, after = known[1], known[2]
                 self.reused += 1
             else:
                 _restore(spaces, state)
-                local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
-                local.update(zip(_mark_names(split), marks[index], strict=True))
-                text = split.body.render(local)
+                text = self._render_body(scope, messages, index, count, marks)
                 after = _state(spaces)
                 if after is None:
                     return None
@@ -215,6 +214,20 @@ class IncrementalRenderer:
         states.append(state)
         _restore(spaces, state)
         return texts, states
+
+    def _render_body(
+        self,
+        scope: dict[str, Any],
+        messages: Sequence[Any],
+        index: int,
+        count: int,
+        marks: Sequence[tuple[Any, ...]],
+    ) -> str:
+        """The body's output for the message at ``index``, its marks given as their variables."""
+        split = self.split
+        local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
+        local.update(zip(_mark_names(split), marks[index], strict=True))
+        return str(split.body.render(local))
 
     def _look_up(
         self, memo: Memo[Any, _Entry], plan: RenderPlan, messages: Sequence[Any], marks: Sequence[tuple[Any, ...]]
@@ -229,11 +242,7 @@ class IncrementalRenderer:
         for index in indexes:
             seen = window(messages, index, split.reach)
             known = memo.get(body_key(split.positional, index, plan.count, marks, seen))
-            if (
-                known is not None
-                and len(known[0]) == len(seen)
-                and all(a is b for a, b in zip(known[0], seen, strict=True))
-            ):
+            if known is not None and _same_window(known[0], seen):
                 found[index] = known[1]
             else:
                 misses += 1
@@ -279,9 +288,7 @@ class IncrementalRenderer:
                 self.reused += 1
                 return known
             seen = window(messages, index, split.reach)
-            local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
-            local.update(zip(_mark_names(split), marks[index], strict=True))
-            text = split.body.render(local)
+            text = self._render_body(scope, messages, index, count, marks)
             memo.put(body_key(split.positional, index, count, marks, seen), (seen, text, None))
             return text
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from jinja2 import nodes
 from jinja2 import tests as jinja_tests
 
-from .syntax import walk
+from .syntax import is_namespace_call, walk
 
 __all__ = ["ITEMS", "NO_PLAN", "SettleBreak", "SettlePlan", "Settled", "pure_test", "settle", "settled_loops"]
 
@@ -155,7 +155,7 @@ def namespaces_of(template: nodes.Template) -> frozenset[str]:
     as_namespace: set[str] = set()
     targets: set[int] = set()  # ids of the Names those namespace sets bind
     for node in template.find_all(nodes.Assign):
-        if isinstance(node.target, nodes.Name) and _is_namespace_call(node.node):
+        if isinstance(node.target, nodes.Name) and is_namespace_call(node.node):
             as_namespace.add(node.target.name)
             targets.add(id(node.target))
     otherwise = {n.name for n in template.find_all(nodes.Name) if n.ctx in ("store", "param") and id(n) not in targets}
@@ -166,10 +166,6 @@ def namespaces_of(template: nodes.Template) -> frozenset[str]:
     if "namespace" in as_namespace | otherwise:
         return frozenset()
     return frozenset(as_namespace - otherwise - {"loop"})
-
-
-def _is_namespace_call(expr: nodes.Node) -> bool:
-    return isinstance(expr, nodes.Call) and isinstance(expr.node, nodes.Name) and expr.node.name == "namespace"
 
 
 def _match(loop: nodes.For, spaces: frozenset[str], tests: Mapping[str, Any]) -> tuple[nodes.If, Settled] | None:

@@ -13,7 +13,16 @@ from jinja2 import Template, nodes
 from .ahead import Ahead, take_aheads
 from .guards import Guard, take_guards
 from .scan import stop_scans
-from .syntax import IMPURE, LOOP_ATTRIBUTES, body_reach, message_reads, parents_of, reads_position, walk
+from .syntax import (
+    IMPURE,
+    LOOP_ATTRIBUTES,
+    body_reach,
+    is_namespace_call,
+    message_reads,
+    parents_of,
+    reads_position,
+    walk,
+)
 
 # Written after every loop iteration by the marked template, to cut one whole render into per-message outputs.
 # Private-use characters around a fixed tag; if a message happens to contain it, the cut is refused (count check).
@@ -73,10 +82,6 @@ def _of_messages(value: nodes.Node) -> bool:
 def _assigned(root: nodes.Node) -> set[str]:
     """The names ``{% set name = ... %}`` binds below ``root``."""
     return {n.target.name for n in walk(root) if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name)}
-
-
-def _makes_namespace(value: nodes.Node) -> bool:
-    return isinstance(value, nodes.Call) and isinstance(value.node, nodes.Name) and value.node.name == "namespace"
 
 
 def _outside_loops(root: nodes.Node) -> list[nodes.Node]:
@@ -150,7 +155,7 @@ class Parsed:
         return frozenset(
             n.target.name
             for n in _outside_loops(self.body)
-            if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and _makes_namespace(n.node)
+            if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and is_namespace_call(n.node)
         )
 
     @cached_property
@@ -286,9 +291,7 @@ def carried_namespaces_only(parsed: Parsed) -> str | None:
             if isinstance(n, nodes.Assign)
             and isinstance(n.target, nodes.Name)
             and n.target.name == name
-            and isinstance(n.node, nodes.Call)
-            and isinstance(n.node.node, nodes.Name)
-            and n.node.node.name == "namespace"
+            and is_namespace_call(n.node)
         ]
         stores = [n for n in walk(parsed.ast) if isinstance(n, nodes.Name) and n.name == name and n.ctx != "load"]
         if len(made) != 1 or len(stores) != 1:
@@ -312,7 +315,7 @@ def no_impure_calls(parsed: Parsed) -> str | None:
         and isinstance(n.target, nodes.Name)
         and n.target.name in parsed.local_namespaces
         and isinstance(n.node, nodes.Call)
-        and _makes_namespace(n.node)
+        and is_namespace_call(n.node)
     }
     impure = (n for n in walk(parsed.body) if isinstance(n, nodes.Name) and n.name in IMPURE and id(n) not in local)
     return _first(impure, f"the body uses one of {', '.join(sorted(IMPURE))} (a date, or state across messages)")

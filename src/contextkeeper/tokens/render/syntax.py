@@ -31,6 +31,11 @@ def parents_of(root: nodes.Node) -> dict[int, nodes.Node]:
     return out
 
 
+def is_namespace_call(expr: nodes.Node) -> bool:
+    """``namespace(...)``."""
+    return isinstance(expr, nodes.Call) and is_name(expr.node, "namespace")
+
+
 def is_name(node: nodes.Node | None, name: str) -> bool:
     return isinstance(node, nodes.Name) and node.name == name
 
