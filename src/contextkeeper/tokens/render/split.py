@@ -105,7 +105,7 @@ class Parsed:
     """A parsed template and the parts of it the checks look at (each computed once, when first asked for)."""
 
     ast: nodes.Template
-    env: Any = None  # compiles the look-ahead tests (see ``take_aheads``)
+    env: Any  # compiles the look-ahead tests (see ``take_aheads``)
 
     @cached_property
     def sequences(self) -> frozenset[str]:
@@ -181,8 +181,6 @@ class Parsed:
     def lifted(self) -> tuple[nodes.Template, tuple[Ahead, ...]]:
         """The loop body with its look-ahead scans taken out (see ``take_aheads``), and those scans."""
         raw = nodes.Template(list(self.loop.body), lineno=self.loop.lineno)
-        if self.env is None:
-            return raw, ()
         return take_aheads(raw, self.env, self.sequence)
 
     @cached_property
