@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import sys
 import threading
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._exceptions import ChatTemplateError, TokenizerNotFound
-from .._memo import memoize
-from ..messages import Conversation, check_text, check_tools, server_view
+from .._memo import IdentityMemo, Memo, memoize
+from ..messages import ContentPart, Conversation, Message, check_text, check_tools, server_view, server_view_message
 from .base import Measurement, MessagesLike, ToolsLike
 from .media import MediaCost, media_cost_for
 
 __all__ = ["MistralCounter", "load_mistral_tokenizer", "mistral_tokenizer_names"]
+
+logger = logging.getLogger("contextkeeper")
 
 # Friendly names for the tokenizer files mistral-common ships.
 _ALIASES = {
@@ -91,6 +97,51 @@ def _finetuning_twin(serving: Any) -> Any:
     )
 
 
+def _short_ids(message: dict[str, Any]) -> dict[str, Any]:
+    """vLLM keeps the last 9 characters of tool-call ids for Mistral tokenizers (changes the new dict in place)."""
+    for call in message.get("tool_calls", ()):
+        if isinstance(call.get("id"), str):
+            call["id"] = call["id"][-9:]
+    if isinstance(message.get("tool_call_id"), str):
+        message["tool_call_id"] = message["tool_call_id"][-9:]
+    return message
+
+
+@dataclass(eq=False)
+class _Read:
+    """One message as mistral-common reads it, made once per message: the converted message, its normalised form
+    where it stands alone in its run of one role, the parts priced apart, and its tokens by position."""
+
+    converted: Any
+    normalized: Any  # None until first needed
+    media: list[ContentPart]
+    role: str
+    weight: Any  # training weight (finetuning messages only): neighbours of one role and weight are joined
+    tokens: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    checked: set[tuple[bool, bool]] = field(default_factory=set)  # (last message, training mode) it passed in
+
+
+def _read_size(message: Message, read: _Read) -> int:
+    # The message itself is the caller's; the converted copies share nothing with it: about three times its text.
+    content = message.content
+    text = len(content) if type(content) is str else 256
+    return 2048 + 3 * text + 96 * len(read.tokens)
+
+
+@dataclass(frozen=True, eq=False)
+class _Setting:
+    """What a request gives every user message besides its own content: the tools, the system prompt that
+    mistral-common folds into a user message (tokenizers before v7) and the model settings."""
+
+    serial: int
+    tools: Any
+    system_prompt: str | None
+    settings: Any
+
+
+_USER, _ASSISTANT, _TOOL, _SYSTEM = "user", "assistant", "tool", "system"
+
+
 class MistralCounter:
     """Counts with mistral-common's own chat encoder (``encode_chat_completion``).
 
@@ -99,15 +150,40 @@ class MistralCounter:
     mistral-common has no separate generation prompt: a conversation ending on a user or tool turn is encoded
     for serving (ending in ``[/INST]`` or the tool results), one ending on an assistant turn as a finished
     exchange; ``add_generation_prompt`` is accepted for the protocol and does not change the count.
+
+    Counts are incremental: each message is converted, normalised and encoded by mistral-common once per position
+    it can take (last user message or not, before the last user message or after it), and a count adds up the
+    messages' tokens as ``encode_chat_completion`` does, after the same validation of the whole request. The
+    whole-request encode (``incremental=False``) stays as the reference; a probe conversation checks the two
+    agree when the counter is made, and the incremental path is switched off where they do not.
     """
 
-    def __init__(self, name: str, *, media_cost: MediaCost | None = None) -> None:
+    def __init__(self, name: str, *, media_cost: MediaCost | None = None, incremental: bool = True) -> None:
         self.name = f"mistral:{name}"
         self._serving = load_mistral_tokenizer(name)
         self._finetuning: Any = None
         self._spec = name
         self.media_cost = media_cost_for(self.name, media_cost)
         self._lock = threading.Lock()
+        self._reads: IdentityMemo[Message, _Read] = IdentityMemo("mistral.messages", sizer=_read_size)
+        self._settings: Memo[str, _Setting] = Memo(
+            "mistral.settings", sizer=lambda key, value: 1024 + 2 * sys.getsizeof(key)
+        )
+        self._serials = 0
+        from mistral_common.protocol.instruct.validator import MistralRequestValidator
+
+        # Content is checked once per message only where the validator checks it message by message.
+        validator = type(self._serving._chat_completion_request_validator)
+        self._checks_each = (
+            validator.validate_messages is MistralRequestValidator.validate_messages
+            and validator._validate_message_list_content is MistralRequestValidator._validate_message_list_content
+        )
+        self.incremental = incremental and self._agrees()
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+        raw = self._serving.instruct_tokenizer.tokenizer
+        # Tekken's encode is tiktoken's plus one Python addition per token: counted on tiktoken's ids directly.
+        self._bpe: Any = raw._model if type(raw).encode is Tekkenizer.encode else None
 
     @property
     def tokenizer(self) -> Any:
@@ -117,8 +193,14 @@ class MistralCounter:
     def text_tokens(self, text: str) -> int:
         """Tokens of a snippet on its own with this tokenizer (no BOS/EOS, no template)."""
         check_text(text)
-        raw = self._serving.instruct_tokenizer.tokenizer
-        return len(raw.encode(text, bos=False, eos=False))
+        if self._bpe is not None:
+            return len(self._bpe.encode(text))
+        return self.text_tokens_reference(text)
+
+    def text_tokens_reference(self, text: str) -> int:
+        """:meth:`text_tokens` through mistral-common's ``encode`` (the fast path skips its shift of every id
+        past the special tokens, which does not change the count)."""
+        return len(self._serving.instruct_tokenizer.tokenizer.encode(text, bos=False, eos=False))
 
     def count(self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True) -> int:
         """Exact prompt tokens as mistral-common encodes them."""
@@ -129,31 +211,16 @@ class MistralCounter:
     ) -> Measurement:
         """Count ``messages`` and ``tools`` and say what the count is made of."""
         from mistral_common.exceptions import MistralCommonException
-        from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
         conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
         if tools:
             check_tools(tools)
-        plain, media = server_view(conversation, content_format="string")
-        for message in plain:
-            for call in message.get("tool_calls", ()):
-                if isinstance(call.get("id"), str):
-                    call["id"] = call["id"][-9:]
-            if isinstance(message.get("tool_call_id"), str):
-                message["tool_call_id"] = message["tool_call_id"][-9:]
-        tokenizer = self._serving
-        if plain and plain[-1]["role"] == "assistant":
-            # A conversation whose last turn is answered is only valid in mistral-common's training mode.
-            with self._lock:
-                if self._finetuning is None:
-                    self._finetuning = _finetuning_twin(self._serving)
-            tokenizer = self._finetuning
         try:
-            request = ChatCompletionRequest.from_openai(
-                messages=plain, tools=[dict(t) for t in tools] if tools else None
-            )
-            tokens = len(tokenizer.encode_chat_completion(request).tokens)
-        except (MistralCommonException, ValueError, TypeError, KeyError) as exc:
+            if self.incremental:
+                tokens, media = self._incremental(conversation, tools)
+            else:
+                tokens, media = self._whole(conversation, tools)
+        except (MistralCommonException, ValueError, TypeError, KeyError, AssertionError) as exc:
             hint = (
                 " Mistral models need tool-call ids of 9 letters or digits; servers keep the last 9 characters of "
                 "longer ids, so give your calls such ids."
@@ -174,3 +241,211 @@ class MistralCounter:
             estimated=bool(media),
             notes=notes,
         )
+
+    def _tokenizer_for(self, last_role: str | None) -> Any:
+        if last_role != _ASSISTANT:
+            return self._serving
+        # A conversation whose last turn is answered is only valid in mistral-common's training mode.
+        with self._lock:
+            if self._finetuning is None:
+                self._finetuning = _finetuning_twin(self._serving)
+        return self._finetuning
+
+    def _whole(self, conversation: Conversation, tools: ToolsLike) -> tuple[int, list[tuple[int, ContentPart]]]:
+        """The reference: ``encode_chat_completion`` of the whole request."""
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+        plain, media = server_view(conversation, content_format="string")
+        for message in plain:
+            _short_ids(message)
+        tokenizer = self._tokenizer_for(plain[-1]["role"] if plain else None)
+        request = ChatCompletionRequest.from_openai(messages=plain, tools=[dict(t) for t in tools] if tools else None)
+        return len(tokenizer.encode_chat_completion(request).tokens), media
+
+    def _read(self, message: Message) -> _Read:
+        from mistral_common.protocol.instruct.converters import convert_openai_messages
+
+        read = self._reads.get(message)
+        if read is None:
+            plain, media = server_view_message(message, content_format="string")
+            converted = convert_openai_messages([_short_ids(plain)])[0]
+            read = _Read(converted, None, media, converted.role, getattr(converted, "weight", None))
+            self._reads.put(message, read)
+        return read
+
+    def _validate(self, reads: list[_Read], tokenizer: Any) -> None:
+        """mistral-common's ``validate_messages``: the structure of the whole list, each message's content once
+        per position (last or not) and mode, where the validator checks content message by message."""
+        validator = tokenizer._chat_completion_request_validator
+        converted = [r.converted for r in reads]
+        if not self._checks_each:
+            validator.validate_messages(converted)
+            return
+        validator._validate_message_list_structure(converted)
+        training = tokenizer is not self._serving
+        last = len(reads) - 1
+        for k, read in enumerate(reads):
+            key = (k == last, training)
+            if key in read.checked:
+                continue
+            if read.role == _ASSISTANT:
+                validator._validate_assistant_message(read.converted, is_last_message=k == last)
+            else:
+                validator._validate_message_list_content([read.converted])
+            read.checked.add(key)
+
+    def _setting(self, reads: list[_Read], tools: ToolsLike, tokenizer: Any) -> _Setting:
+        """The tools, system prompt and settings mistral-common derives for this request, from a request of the
+        system messages and the tools alone (validated as the whole one would be), once per such pair."""
+        from mistral_common.protocol.instruct.messages import UserMessage
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+        systems = [r.converted for r in reads if r.converted.role == _SYSTEM]
+        key = json.dumps(
+            [[m.model_dump(mode="json") for m in systems], [dict(t) for t in tools] if tools else None],
+            ensure_ascii=False,
+            default=str,
+        )
+        setting = self._settings.get(key)
+        if setting is None:
+            probe = ChatCompletionRequest.from_openai(
+                messages=[{"role": "user", "content": ""}], tools=[dict(t) for t in tools] if tools else None
+            )
+            probe = ChatCompletionRequest(messages=[*systems, UserMessage(content="")], tools=probe.tools)
+            validated = tokenizer._chat_completion_request_validator.validate_request(probe)
+            instruct = tokenizer._instruct_request_normalizer.from_chat_completion_request(validated)
+            with self._lock:
+                self._serials += 1
+                serial = self._serials
+            setting = _Setting(serial, instruct.available_tools, instruct.system_prompt, instruct.settings)
+            self._settings.put(key, setting)
+        return setting
+
+    def _incremental(self, conversation: Conversation, tools: ToolsLike) -> tuple[int, list[tuple[int, ContentPart]]]:
+        """``encode_chat_completion``'s count made of each message's own tokens (see the class)."""
+        from mistral_common.protocol.instruct.messages import UserMessage
+
+        found = self._reads.get_many(conversation)
+        reads = [read if read is not None else self._read(m) for m, read in zip(conversation, found, strict=True)]
+        tokenizer = self._tokenizer_for(reads[-1].role if reads else None)
+        self._validate(reads, tokenizer)
+        setting = self._setting(reads, tools, self._serving)
+        normalizer = tokenizer._instruct_request_normalizer
+        instruct = tokenizer.instruct_tokenizer
+        # The normaliser's runs: neighbours of one role (and one training weight) become one message, tool
+        # results stay one each, system messages leave the list (before v7) or stay as they are.
+        messages: list[Any] = []
+        owners: list[_Read | None] = []
+        i, n = 0, len(reads)
+        while i < n:
+            role, weight = reads[i].role, reads[i].weight
+            j = i + 1
+            while j < n and reads[j].role == role and reads[j].weight == weight:
+                j += 1
+            if role == _TOOL or (j - i == 1 and role != _SYSTEM):
+                for read in reads[i:j]:
+                    if read.normalized is None:  # made after the validation, which speaks first
+                        (read.normalized,) = normalizer._aggregate_role([read.converted], role, [])
+                    messages.append(read.normalized)
+                    owners.append(read)
+            else:
+                joined = normalizer._aggregate_role([r.converted for r in reads[i:j]], role, [])
+                messages.extend(joined)
+                owners.extend([None] * len(joined))
+            i = j
+        if not messages or (not getattr(normalizer, "_system_prompt_in_begin", False) and messages[0].role != _USER):
+            messages.insert(0, UserMessage(content=""))
+            owners.insert(0, None)
+        instruct.validate_messages(messages)
+        users = [k for k, m in enumerate(messages) if isinstance(m, UserMessage)]
+        first, last = (users[0], users[-1]) if users else (-1, -1)
+        checks = getattr(instruct, "_validate_tool_results", None)
+        if checks is not None:
+            checks(
+                request=normalizer._instruct_request_class.model_construct(
+                    messages=messages, system_prompt=setting.system_prompt, available_tools=setting.tools
+                )
+            )
+        total = len(instruct.start())
+        for k, (message, owner) in enumerate(zip(messages, owners, strict=True)):
+            role = message.role
+            if role == _USER:
+                key: tuple[Any, ...] = (k == last, k == first, setting.serial)
+            elif role == _SYSTEM:
+                key = ()
+            else:
+                key = (k < last,)
+            tokens = owner.tokens.get(key) if owner is not None else None
+            if tokens is None:
+                if role == _USER:
+                    encoded = instruct.encode_user_message(
+                        message,
+                        setting.tools,
+                        k == last,
+                        k == first,
+                        system_prompt=setting.system_prompt,
+                        force_img_first=True,
+                        settings=setting.settings,
+                    )[0]
+                elif role == _TOOL:
+                    encoded = instruct.encode_tool_message(message, k < last)[0]
+                elif role == _ASSISTANT:
+                    encoded = instruct.encode_assistant_message(message=message, is_before_last_user_message=k < last)
+                else:
+                    encoded = instruct.encode_system_message(message)[0]
+                tokens = len(encoded or ())
+                if owner is not None:
+                    owner.tokens[key] = tokens
+            total += tokens
+        media = [(index, part) for index, read in enumerate(reads) for part in read.media]
+        return total, media
+
+    def _agrees(self) -> bool:
+        """Whether the incremental count is the whole-request count on a probe conversation with every kind of
+        message, run and position (a mistral-common whose encoder works otherwise switches it off)."""
+        look = {"name": "look", "arguments": '{"q": "x", "n": 1.0}'}
+        call = {"id": "a1b2c3d4e", "type": "function", "function": look}
+        other = {"id": "f5g6h7i8j", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+        probe = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Find it."},
+            {"role": "assistant", "content": "", "tool_calls": [call, other]},
+            {"role": "tool", "tool_call_id": "f5g6h7i8j", "content": '{"found": [1, 2]}'},
+            {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "plain text"},
+            {"role": "assistant", "content": "Found."},
+            {"role": "user", "content": "And then?"},
+            {"role": "user", "content": "Say more."},
+            {"role": "assistant", "content": "More."},
+            {"role": "user", "content": "Thanks."},
+        ]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "look",
+                    "description": "Look.",
+                    "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "number"}}},
+                },
+            }
+        ]
+        cases = [(probe, tools), (probe[:-1], None), (probe[1:5], tools), (probe[5:], tools), (probe[2:], None)]
+
+        def outcome(count: Any, conversation: Conversation, given: ToolsLike) -> int | str:
+            try:
+                return int(count(conversation, given)[0])
+            except Exception as exc:  # a refusal must be the same refusal
+                return f"{type(exc).__name__}: {exc}"
+
+        for messages, given in cases:
+            conversation = Conversation.from_messages(messages)
+            ours, reference = outcome(self._incremental, conversation, given), outcome(self._whole, conversation, given)
+            if ours != reference:
+                logger.info(
+                    "contextkeeper: %s: incremental counting is off (%s where mistral-common gives %s); counting "
+                    "whole requests",
+                    self.name,
+                    ours,
+                    reference,
+                )
+                return False
+        return True
