@@ -167,3 +167,17 @@ def test_snippet_counts_are_mistral_commons(counters: dict[str, MistralCounter],
     counter = counters[name]
     assert (counter._bpe is not None) == name.startswith(("tekken", "nemo"))
     assert counter.text_tokens(text) == counter.text_tokens_reference(text)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=200) | TEXTS, bos=st.booleans(), eos=st.booleans())
+def test_the_counting_twins_tekken_encode_gives_mistral_commons_ids(
+    counters: dict[str, MistralCounter], text: str, bos: bool, eos: bool
+) -> None:
+    counter = counters["tekken"]
+    library = counter.tokenizer.instruct_tokenizer
+    assert counter._instruct is not library  # the twin is in use for Tekken ...
+    assert counters["v3"]._instruct is counters["v3"].tokenizer.instruct_tokenizer  # ... and only there
+    assert counter._instruct.tokenizer.encode(text, bos=bos, eos=eos) == library.tokenizer.encode(
+        text, bos=bos, eos=eos
+    )
