@@ -104,4 +104,6 @@ def test_vendored_templates_are_split_or_refused_with_a_named_check() -> None:
     assert "ibm-granite-granite-4.0" not in checks  # its namespace is made in the body, new for every message
     assert checks["Qwen3.5-4B"] == "loop_position_only"  # loop.previtem
     assert checks["openbmb-MiniCPM5-1B"] == "no_impure_calls"
-    assert checks["GigaChat3-10B-A1.8B"] == "no_macro_reads_messages"
+    # Their macros each make a namespace for themselves (Gemma 4's also scans for the previous message that is
+    # not a tool result, and writes the results that follow a call: both are taken out as scans).
+    assert {"GigaChat3-10B-A1.8B", "google-gemma-4-31B-it"}.isdisjoint(checks)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +11,7 @@ from jinja2 import nodes
 
 from ..._memo import IdentityMemo
 from .settle import pure_test
-from .syntax import loop_position, walk
+from .syntax import loop_position, rewrite_statements, walk
 
 
 @dataclass(frozen=True)
@@ -31,21 +31,38 @@ class Ahead:
 
     def evaluate(self, messages: Sequence[Any]) -> list[bool]:
         """For each position, whether a later message passes the test."""
-        passes = self.memo.get_many(messages)
-        new = []
-        for index, (message, known) in enumerate(zip(messages, passes, strict=True)):
-            if known is None:
-                known = self.test.render(item=message) == "1"
-                passes[index] = known
-                new.append((message, known))
-        if new:
-            self.memo.put_many(new)
+        passes = tested(self.test, self.memo, messages)
         out = [False] * len(messages)
         later = False
         for index in range(len(messages) - 1, -1, -1):
             out[index] = later
-            later = later or bool(passes[index])
+            later = later or passes[index]
         return out
+
+
+def tested(check: Any, memo: IdentityMemo[Any, bool], messages: Sequence[Any]) -> list[bool]:
+    """Whether each message passes ``check`` (a template from :func:`check_of`), remembered by identity."""
+    passes = memo.get_many(messages)
+    new = []
+    out: list[bool] = []
+    for message, known in zip(messages, passes, strict=True):
+        if known is None:
+            known = check.render(item=message) == "1"
+            new.append((message, known))
+        out.append(known)
+    if new:
+        memo.put_many(new)
+    return out
+
+
+def check_of(test: nodes.Expr, env: Any) -> Any:
+    """A compiled template that writes "1" when ``test`` (which reads the message as ``item``) passes."""
+    return env.from_string(nodes.Template([nodes.If(test, [nodes.Output([nodes.Const("1")])], [], [])], lineno=1))
+
+
+def result_size(key: Any, value: Any) -> int:
+    """The bytes of one remembered test result (a message identity and a flag)."""
+    return 64
 
 
 def _scan_shape(loop: nodes.For, sequence: str, tests: Any) -> tuple[nodes.Node, nodes.Assign] | None:
@@ -85,43 +102,38 @@ def _scan_shape(loop: nodes.For, sequence: str, tests: Any) -> tuple[nodes.Node,
     return guard.test, write
 
 
+def lift_loops(body: nodes.Template, env: Any, lift: Callable[[nodes.For, str], nodes.Node | None]) -> nodes.Template:
+    """A copy of ``body`` with each loop at its top level (or inside its ``if`` blocks) that ``lift`` gives a
+    replacement for (given the loop and its variable's name) replaced by it."""
+    body = copy.deepcopy(body, {id(env): env})  # the nodes point at the environment: share it, do not copy it
+
+    def replace(child: nodes.Node) -> nodes.Node | None:
+        if not isinstance(child, nodes.For) or not isinstance(child.target, nodes.Name):
+            return None
+        return lift(child, child.target.name)
+
+    body.body = rewrite_statements(body.body, replace)
+    body.set_environment(env)
+    return body
+
+
 def take_aheads(body: nodes.Template, env: Any, sequence: str) -> tuple[nodes.Template, tuple[Ahead, ...]]:
     """A copy of ``body`` with each look-ahead scan at its top level (or inside its ``if`` blocks) replaced by
     its variable."""
-    body = copy.deepcopy(body, {id(env): env})  # the nodes point at the environment: share it, do not copy it
     aheads: list[Ahead] = []
 
-    def replace(children: list[nodes.Node]) -> list[nodes.Node]:
-        out: list[nodes.Node] = []
-        for child in children:
-            shape = _scan_shape(child, sequence, env.tests) if isinstance(child, nodes.For) else None
-            if shape is not None:
-                assert isinstance(child, nodes.For)
-                assert isinstance(child.target, nodes.Name)
-                test, write = shape
-                name = f"__contextkeeper_ahead{len(aheads)}"
-                item = child.target.name
-                check = nodes.Template(
-                    [nodes.If(_renamed(test, item, env), [nodes.Output([nodes.Const("1")])], [], [])], lineno=1
-                )
-                compiled = env.from_string(check)
-                aheads.append(Ahead(name, compiled, IdentityMemo("render.ahead", sizer=lambda key, value: 64)))
-                child = nodes.If(nodes.Name(name, "load", lineno=child.lineno), [write], [], [], lineno=child.lineno)
-            elif isinstance(child, nodes.If):
-                child.body = replace(child.body)
-                child.elif_ = [_replaced_elif(branch, replace) for branch in child.elif_]
-                child.else_ = replace(child.else_)
-            out.append(child)
-        return out
+    def lift(loop: nodes.For, item: str) -> nodes.Node | None:
+        shape = _scan_shape(loop, sequence, env.tests)
+        if shape is None:
+            return None
+        test, write = shape
+        name = f"__contextkeeper_ahead{len(aheads)}"
+        aheads.append(
+            Ahead(name, check_of(_renamed(test, item, env), env), IdentityMemo("render.ahead", sizer=result_size))
+        )
+        return nodes.If(nodes.Name(name, "load", lineno=loop.lineno), [write], [], [], lineno=loop.lineno)
 
-    body.body = replace(body.body)
-    body.set_environment(env)
-    return body, tuple(aheads)
-
-
-def _replaced_elif(branch: nodes.If, replace: Any) -> nodes.If:
-    branch.body = replace(branch.body)
-    return branch
+    return lift_loops(body, env, lift), tuple(aheads)
 
 
 def _renamed(test: nodes.Node, item: str, env: Any) -> nodes.Expr:

@@ -99,9 +99,13 @@ class IncrementalRenderer:
         sequence = scope.get(split.sequence)
         messages: Sequence[Any] = sequence if isinstance(sequence, (list, tuple)) else ()
         marks = guard_marks(split, scope, len(messages)) if messages is sequence else None
-        if marks is None:
+        spans = [scan.spans(messages) for scan in split.scans] if marks is not None else []
+        if marks is None or any(column is None for column in spans):
             assert split.whole is not None
             return [split.whole.render(context)]
+        # A body sees the messages its scans visit: its window reaches that far (see Scan).
+        reach = max([split.reach, *(len(span) for column in spans if column for span in column)])
+        per_body = list(zip(*spans, strict=True)) if spans else [()] * len(messages)
         generation = generation_key(split, head_text, scope)
         memo = self._memo(generation)
         previous = self._previous.get(generation)
@@ -109,12 +113,12 @@ class IncrementalRenderer:
             previous,
             messages,
             marks,
-            reach=split.reach,
+            reach=reach,
             positional=split.positional,
             guarded=bool(split.guards or split.aheads),
         )
         if split.carried:
-            threaded = self._threaded(plan, previous, memo, scope, marks)
+            threaded = self._threaded(plan, previous, memo, scope, marks, reach, per_body)
             if threaded is None:
                 assert split.whole is not None
                 return [split.whole.render(context)]
@@ -122,15 +126,15 @@ class IncrementalRenderer:
             tail_text = split.tail.render(scope)
             self._remember(generation, Previous(list(messages), texts, marks, states))
             return [head_text, *texts, tail_text]
-        found, misses = self._look_up(memo, plan, messages, marks)
+        found, misses = self._look_up(memo, plan, messages, marks, reach)
         if misses > BATCH:  # only when many are new is one whole (marked) render cheaper
             cut = self._render_marked(context, head_text, len(messages))
             if cut is not None:
                 bodies, tail_text = cut
-                self._keep_all(memo, messages, marks, bodies)
+                self._keep_all(memo, messages, marks, bodies, reach)
                 self._remember(generation, Previous(list(messages), bodies, marks))
                 return [head_text, *bodies, tail_text]
-        texts = self._bodies(plan, previous, found, memo, scope, marks)
+        texts = self._bodies(plan, previous, found, memo, scope, marks, reach, per_body)
         tail_text = split.tail.render(scope)
         self._remember(generation, Previous(list(messages), texts, marks))
         return [head_text, *texts, tail_text]
@@ -159,6 +163,8 @@ class IncrementalRenderer:
         memo: Memo[Any, _Entry],
         scope: dict[str, Any],
         marks: Sequence[tuple[Any, ...]],
+        reach: int,
+        per_body: Sequence[tuple[Any, ...]],
     ) -> tuple[list[str], list[State]] | None:
         """Each body's output when the body carries namespace state from message to message: in order, with the
         state before each body part of its key, so a body is reused only where its window and the state it starts
@@ -195,7 +201,7 @@ class IncrementalRenderer:
                     state, index = old[len(previous.texts)], count
                     self.reused += len(plan.moved)
                     continue
-            seen = window(messages, index, split.reach)
+            seen = window(messages, index, reach)
             key = (body_key(split.positional, index, count, marks, seen), state)
             known = memo.get(key)
             if known is not None and _same_window(known[0], seen):
@@ -203,7 +209,7 @@ class IncrementalRenderer:
                 self.reused += 1
             else:
                 _restore(spaces, state)
-                text = self._render_body(scope, messages, index, count, marks)
+                text = self._render_body(scope, messages, index, count, marks, per_body)
                 after = _state(spaces)
                 if after is None:
                     return None
@@ -222,15 +228,23 @@ class IncrementalRenderer:
         index: int,
         count: int,
         marks: Sequence[tuple[Any, ...]],
+        per_body: Sequence[tuple[Any, ...]],
     ) -> str:
-        """The body's output for the message at ``index``, its marks given as their variables."""
+        """The body's output for the message at ``index``, its marks and its scans' spans given as their
+        variables."""
         split = self.split
         local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
         local.update(zip(_mark_names(split), marks[index], strict=True))
+        local.update(zip((scan.name for scan in split.scans), per_body[index], strict=True))
         return str(split.body.render(local))
 
     def _look_up(
-        self, memo: Memo[Any, _Entry], plan: RenderPlan, messages: Sequence[Any], marks: Sequence[tuple[Any, ...]]
+        self,
+        memo: Memo[Any, _Entry],
+        plan: RenderPlan,
+        messages: Sequence[Any],
+        marks: Sequence[tuple[Any, ...]],
+        reach: int,
     ) -> tuple[dict[int, str], int]:
         """The outputs the memo holds for the bodies the plan does not take whole, and how many it lacks."""
         indexes = (*plan.before, *plan.middle)
@@ -240,7 +254,7 @@ class IncrementalRenderer:
         found: dict[int, str] = {}
         misses = 0
         for index in indexes:
-            seen = window(messages, index, split.reach)
+            seen = window(messages, index, reach)
             known = memo.get(body_key(split.positional, index, plan.count, marks, seen))
             if known is not None and _same_window(known[0], seen):
                 found[index] = known[1]
@@ -249,11 +263,16 @@ class IncrementalRenderer:
         return found, misses
 
     def _keep_all(
-        self, memo: Memo[Any, _Entry], messages: Sequence[Any], marks: Sequence[tuple[Any, ...]], bodies: list[str]
+        self,
+        memo: Memo[Any, _Entry],
+        messages: Sequence[Any],
+        marks: Sequence[tuple[Any, ...]],
+        bodies: list[str],
+        reach: int,
     ) -> None:
         """Remember every body output of a marked render."""
         split, count = self.split, len(messages)
-        windows = [window(messages, index, split.reach) for index in range(len(bodies))]
+        windows = [window(messages, index, reach) for index in range(len(bodies))]
         memo.put_many(
             (body_key(split.positional, index, count, marks, seen), (seen, text, None))
             for index, (seen, text) in enumerate(zip(windows, bodies, strict=True))
@@ -276,6 +295,8 @@ class IncrementalRenderer:
         memo: Memo[Any, _Entry],
         scope: dict[str, Any],
         marks: Sequence[tuple[Any, ...]],
+        reach: int,
+        per_body: Sequence[tuple[Any, ...]],
     ) -> list[str]:
         """Each body's output, in order: found in the memo, taken whole from the previous call, or rendered."""
         split = self.split
@@ -287,8 +308,8 @@ class IncrementalRenderer:
             if known is not None:
                 self.reused += 1
                 return known
-            seen = window(messages, index, split.reach)
-            text = self._render_body(scope, messages, index, count, marks)
+            seen = window(messages, index, reach)
+            text = self._render_body(scope, messages, index, count, marks, per_body)
             memo.put(body_key(split.positional, index, count, marks, seen), (seen, text, None))
             return text
 

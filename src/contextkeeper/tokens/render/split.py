@@ -13,6 +13,7 @@ from jinja2 import Template, nodes
 from .ahead import Ahead, take_aheads
 from .guards import Guard, take_guards
 from .scan import stop_scans
+from .scans import Scan, take_scans
 from .syntax import (
     IMPURE,
     LOOP_ATTRIBUTES,
@@ -47,6 +48,8 @@ class SplitTemplate:
     guards: tuple[Guard, ...] = ()
     # Scans of the messages after the current one, replaced in ``body`` by variables (see Ahead).
     aheads: tuple[Ahead, ...] = ()
+    # Scans of the neighbours up to one that passes a test, running over their spans in ``body`` (see Scan).
+    scans: tuple[Scan, ...] = ()
     # Namespaces the head makes and the body writes: their state before each body is part of its key.
     carried: tuple[str, ...] = ()
     sequence: str = "messages"  # the list the loop runs over: ``messages``, or a name the head binds to a slice
@@ -86,14 +89,29 @@ def _assigned(root: nodes.Node) -> set[str]:
 
 def _outside_loops(root: nodes.Node) -> list[nodes.Node]:
     """The nodes below ``root`` that are not inside a nested loop or macro."""
+    return _outside(root, (nodes.For, nodes.Macro, nodes.CallBlock))
+
+
+def _outside(root: nodes.Node, kinds: tuple[type[nodes.Node], ...]) -> list[nodes.Node]:
+    """The nodes below ``root`` that are not inside a node of one of ``kinds``."""
     out: list[nodes.Node] = []
     pending = list(root.iter_child_nodes())
     while pending:
         node = pending.pop()
         out.append(node)
-        if not isinstance(node, (nodes.For, nodes.Macro, nodes.CallBlock)):
+        if not isinstance(node, kinds):
             pending.extend(node.iter_child_nodes())
     return out
+
+
+def _made_namespaces(root: nodes.Node) -> list[nodes.Assign]:
+    """The ``{% set name = namespace(...) %}`` below ``root``, nested loops included (a loop's own namespace is
+    new in each of its iterations too), macros not."""
+    return [
+        n
+        for n in _outside(root, (nodes.Macro, nodes.CallBlock))
+        if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and is_namespace_call(n.node)
+    ]
 
 
 # Nodes through which a loop can write output (or change a value in place, `{% do %}`).
@@ -150,13 +168,9 @@ class Parsed:
 
     @cached_property
     def local_namespaces(self) -> frozenset[str]:
-        """Namespaces the body makes itself (``{% set ns = namespace(...) %}`` outside nested loops): new in every
+        """Namespaces the body makes itself (``{% set ns = namespace(...) %}``, in its own loops too): new in every
         iteration, so they carry nothing from one message to the next."""
-        return frozenset(
-            n.target.name
-            for n in _outside_loops(self.body)
-            if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and is_namespace_call(n.node)
-        )
+        return frozenset(n.target.name for n in _made_namespaces(self.body) if isinstance(n.target, nodes.Name))
 
     @cached_property
     def carried(self) -> tuple[str, ...]:
@@ -178,10 +192,13 @@ class Parsed:
         return loop
 
     @cached_property
-    def lifted(self) -> tuple[nodes.Template, tuple[Ahead, ...]]:
-        """The loop body with its look-ahead scans taken out (see ``take_aheads``), and those scans."""
+    def lifted(self) -> tuple[nodes.Template, tuple[Ahead, ...], tuple[Scan, ...]]:
+        """The loop body with its look-ahead scans taken out (see ``take_aheads``) and its scans of the
+        neighbours running over their spans (see ``take_scans``), and those scans."""
         raw = nodes.Template(list(self.loop.body), lineno=self.loop.lineno)
-        return take_aheads(raw, self.env, self.sequence)
+        body, aheads = take_aheads(raw, self.env, self.sequence)
+        body, scans = take_scans(body, self.env, self.sequence)
+        return body, aheads, scans
 
     @cached_property
     def body(self) -> nodes.Template:
@@ -291,30 +308,60 @@ def carried_namespaces_only(parsed: Parsed) -> str | None:
             and n.target.name == name
             and is_namespace_call(n.node)
         ]
-        stores = [n for n in walk(parsed.ast) if isinstance(n, nodes.Name) and n.name == name and n.ctx != "load"]
+        # A macro that binds the name for itself before it uses it (Gemma 4's formatting macros each make an
+        # ``ns`` of their own) never reaches the carried one: its stores do not count.
+        own = [macro for macro in parsed.macros.values() if _mentions(macro, name) and _binds_first(macro.body, name)]
+        inside_own = {id(n) for macro in own for n in walk(macro)}
+        stores = [
+            n
+            for n in walk(parsed.ast)
+            if isinstance(n, nodes.Name) and n.name == name and n.ctx != "load" and id(n) not in inside_own
+        ]
         if len(made) != 1 or len(stores) != 1:
             where = next(iter(n for n in walk(parsed.body) if isinstance(n, nodes.NSRef) and n.name == name))
             return (
                 f"the body writes namespace `{name}`, which the head does not make once at its top level with "
                 f"namespace(...) (line {where.lineno})"
             )
-        if any(isinstance(n, nodes.Name) and n.name == name for macro in parsed.macros.values() for n in walk(macro)):
+        if any(_mentions(macro, name) for macro in parsed.macros.values() if macro not in own):
             return f"a macro reads or writes namespace `{name}`, which the body carries from message to message"
     return None
+
+
+def _mentions(node: nodes.Node, name: str) -> bool:
+    return any(isinstance(n, nodes.Name) and n.name == name for n in [node, *walk(node)])
+
+
+def _binds_first(statements: list[nodes.Node], name: str) -> bool:
+    """Whether every use of ``name`` in ``statements`` (a macro's body) comes after a ``{% set name = ... %}`` of
+    its own that runs first: at the top of the statements, or of each ``if`` branch or loop body that uses the
+    name, with nothing after that ``if`` or loop using it. Jinja makes such a name the macro's own, so the macro
+    cannot reach a variable of the same name outside it."""
+    for position, statement in enumerate(statements):
+        if not _mentions(statement, name):
+            continue
+        if isinstance(statement, nodes.Assign) and isinstance(statement.target, nodes.Name):
+            return statement.target.name == name and not _mentions(statement.node, name)
+        if isinstance(statement, (nodes.If, nodes.For)):
+            if isinstance(statement, nodes.If):
+                branches = [statement.body, *(branch.body for branch in statement.elif_), statement.else_]
+                tests = [statement.test, *(branch.test for branch in statement.elif_)]
+            else:
+                branches = [statement.body, statement.else_]
+                tests = [statement.target, statement.iter, *([statement.test] if statement.test else [])]
+            return (
+                not any(_mentions(test, name) for test in tests)
+                and all(_binds_first(branch, name) for branch in branches)
+                and not any(_mentions(n, name) for n in statements[position + 1 :])
+            )
+        return False
+    return True
 
 
 @_check
 def no_impure_calls(parsed: Parsed) -> str | None:
     # A namespace the body makes for itself is new in every iteration (see ``local_namespaces``).
-    local = {
-        id(n.node.node)
-        for n in _outside_loops(parsed.body)
-        if isinstance(n, nodes.Assign)
-        and isinstance(n.target, nodes.Name)
-        and n.target.name in parsed.local_namespaces
-        and isinstance(n.node, nodes.Call)
-        and is_namespace_call(n.node)
-    }
+    local = {id(n.node.node) for n in _made_namespaces(parsed.body) if isinstance(n.node, nodes.Call)}
     impure = (n for n in walk(parsed.body) if isinstance(n, nodes.Name) and n.name in IMPURE and id(n) not in local)
     return _first(impure, f"the body uses one of {', '.join(sorted(IMPURE))} (a date, or state across messages)")
 
@@ -351,18 +398,56 @@ def no_side_effects(parsed: Parsed) -> str | None:
 def no_macro_reads_messages(parsed: Parsed) -> str | None:
     # A macro runs with the template's globals: one that reads the messages (or the clock) would let the body
     # see beyond its window through a call.
+    # Objects a macro makes for itself (Gemma 4's formatting macros each make a namespace) are new in every call.
     macros = parsed.macros
-    tainted = any(
-        isinstance(n, nodes.Name) and (n.name == "messages" or n.name in IMPURE)
-        for macro in macros.values()
-        for n in walk(macro)
-    )
+    tainted = any(_tainted(macro) for macro in macros.values())
     calls = (
         call
         for call in walk(parsed.body)
         if isinstance(call, nodes.Call) and isinstance(call.node, nodes.Name) and call.node.name in macros
     )
     return None if not tainted else _first(calls, "the body calls a macro, and a macro reads `messages` or the clock")
+
+
+def _tainted(macro: nodes.Macro) -> bool:
+    """Whether ``macro`` reads the messages or the clock, or keeps state where a later call (or the body) sees
+    it: a namespace, cycler or joiner it does not make for itself (``range`` holds nothing)."""
+    own = {
+        n.target.name
+        for n in walk(macro)
+        if isinstance(n, nodes.Assign) and isinstance(n.target, nodes.Name) and _binds_first(macro.body, n.target.name)
+    }
+    made = {
+        id(n.node.node)
+        for n in walk(macro)
+        if isinstance(n, nodes.Assign)
+        and isinstance(n.target, nodes.Name)
+        and n.target.name in own
+        and isinstance(n.node, nodes.Call)
+    }
+    for n in walk(macro):
+        if isinstance(n, nodes.Name) and n.name in ("messages", "strftime_now"):
+            return True
+        if isinstance(n, nodes.Name) and n.name in IMPURE - {"range"} and id(n) not in made:
+            return True
+        if isinstance(n, nodes.NSRef) and n.name not in own:
+            return True
+    return False
+
+
+def _reads(body: nodes.Template, macros: dict[str, nodes.Macro]) -> frozenset[str] | None:
+    """The names the body reads from the render's context: its own, and those of every macro (a macro runs with
+    the template's globals, and the body may call any of them, which may call the others). None when a macro's
+    reads cannot be told apart from its parameters."""
+    names = set(jinja2.meta.find_undeclared_variables(body))
+    for macro in macros.values():
+        if any(isinstance(n, nodes.Name) and n.name in ("varargs", "kwargs", "caller") for n in walk(macro)):
+            return None
+        own = {arg.name for arg in macro.args}
+        inside = nodes.Template(list(macro.body), lineno=1)
+        inside.environment = body.environment  # the nodes are the template's own: only this wrapper needs it
+        names |= set(jinja2.meta.find_undeclared_variables(inside)) - own
+    return frozenset(names)
 
 
 def try_split(template: Template, source: str) -> SplitTemplate | Refusal:
@@ -407,7 +492,7 @@ def _cut(template: Template, parsed: Parsed) -> SplitTemplate | Refusal:
     )
     assert isinstance(loop.target, nodes.Name)  # plain_loop passed
     guarded, guards = take_guards(parsed.body, env, loop.target.name)
-    reads = None if parsed.macros else frozenset(jinja2.meta.find_undeclared_variables(guarded))
+    reads = _reads(guarded, parsed.macros)
     try:
         marked = env.from_string(nodes.Template([*head_nodes, marked_loop, *tail_nodes], lineno=1))
         head = env.from_string(nodes.Template(list(head_nodes), lineno=1))
@@ -425,6 +510,7 @@ def _cut(template: Template, parsed: Parsed) -> SplitTemplate | Refusal:
         positional=reads_position(guarded, parents_of(guarded), sequence),
         guards=guards,
         aheads=parsed.lifted[1],
+        scans=parsed.lifted[2],
         carried=parsed.carried,
         sequence=sequence,
         reads=reads,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from jinja2 import nodes
 
@@ -28,6 +28,25 @@ def parents_of(root: nodes.Node) -> dict[int, nodes.Node]:
             visit(child)
 
     visit(root)
+    return out
+
+
+def rewrite_statements(
+    children: list[nodes.Node], rewrite: Callable[[nodes.Node], nodes.Node | None]
+) -> list[nodes.Node]:
+    """``children`` with each statement that ``rewrite`` gives a replacement for replaced, at their level and
+    inside their ``if`` blocks (the ``if`` nodes are changed in place)."""
+    out: list[nodes.Node] = []
+    for child in children:
+        replacement = rewrite(child)
+        if replacement is not None:
+            child = replacement
+        elif isinstance(child, nodes.If):
+            child.body = rewrite_statements(child.body, rewrite)
+            for branch in child.elif_:
+                branch.body = rewrite_statements(branch.body, rewrite)
+            child.else_ = rewrite_statements(child.else_, rewrite)
+        out.append(child)
     return out
 
 
