@@ -23,6 +23,41 @@ def hf_tokenizer(vocab: str) -> Any:
     return AutoTokenizer.from_pretrained(tokenizer_dir(vocab))
 
 
+@functools.cache
+def raw_backend(vocab: str) -> Any:
+    """The vocabulary's own tokenizer.json as the tokenizers library loads it (transformers may add a
+    normaliser: Qwen's gets NFC)."""
+    require_assets()
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir(vocab) / "tokenizer.json"))
+
+
+@functools.cache
+def verified_pieces(vocab: str) -> Any:
+    """One verified piece counter per vocabulary (``name-raw``: its own tokenizer.json), kept warm across
+    examples: its caches are part of what is tested."""
+    from contextkeeper.tokens.pieces import PieceCounter
+
+    backend = (
+        raw_backend(vocab.removesuffix("-raw")) if vocab.endswith("-raw") else hf_tokenizer(vocab).backend_tokenizer
+    )
+    pieces = PieceCounter(backend)
+    assert pieces.verify()
+    return pieces
+
+
+def assert_switched_off(pieces: Any, name: str, left: set[str]) -> None:
+    """The rule ``name``, which the settings allow, was disproved by the tokenizer, said so, and only ``left``
+    stayed on."""
+    assert name in pieces.rules.on  # the settings allow it: only the tokenizer can say it is false
+    assert pieces.verify()
+    why = pieces.rules.why_off(name)
+    assert why is not None
+    assert "disagreed with the tokenizer" in why
+    assert set(pieces.rules.on) == left
+
+
 @pytest.fixture(scope="session")
 def tokenizers_loader() -> Any:
     return hf_tokenizer

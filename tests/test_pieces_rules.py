@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
 from assets import tokenizer_dir
-from conftest import hf_tokenizer
+from conftest import assert_switched_off, hf_tokenizer
 from contextkeeper.tokens.pieces import RULES, AsciiWords, ByteBound, LineBlocks, PieceCounter, Pieces, Segments
 
 # What each vocabulary of the test assets gets: the rules on after verify(), and the byte bound's kind.
@@ -21,7 +21,7 @@ EXPECTED: dict[str, tuple[set[str], str | None]] = {
     "harmony-on-qwen2": ({"pieces", "segments", "blocks", "words", "unicode", "bound"}, "ascii"),
     "qwen35": ({"pieces", "segments", "blocks", "words", "unicode", "bound"}, "ascii"),
     "llama-bpe": ({"pieces", "segments", "blocks", "words", "unicode", "bound"}, "any"),
-    "deepseek-v4": ({"pieces", "segments", "blocks"}, None),
+    "deepseek-v4": ({"pieces", "segments", "blocks", "deepseek", "bound"}, "any"),
     "deepseek-llm": ({"pieces", "segments", "bound"}, "any"),
     "gemma-4": ({"pieces", "segments"}, None),
     "llama-spm": ({"pieces", "segments"}, None),
@@ -66,12 +66,7 @@ class _WithFalseBlocks(PieceCounter):
 
 def test_a_rule_the_tokenizer_disproves_is_switched_off_and_reported() -> None:
     pieces = _WithFalseBlocks(hf_tokenizer("qwen2").backend_tokenizer)
-    assert "blocks" in pieces.rules.on  # the settings allow it: only the tokenizer can say it is false
-    assert pieces.verify()
-    why = pieces.rules.why_off("blocks")
-    assert why is not None
-    assert "disagreed with the tokenizer" in why
-    assert set(pieces.rules.on) == {"pieces", "segments", "words", "bound"}
+    assert_switched_off(pieces, "blocks", {"pieces", "segments", "words", "bound"})
     # A long piece of many lines, not ASCII (ASCII goes by pre-tokens): counted whole, and right.
     text = "<|im_start|>user\n" + "\n".join(f"строка {i}: значение — {i * 37}" for i in range(200)) + "<|im_end|>"
     assert pieces.count(text) == pieces.full(text)

@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
 
 import contextkeeper as ck
-from assets import template, tokenizer_dir
-from conftest import hf_tokenizer
+from assets import template
+from conftest import hf_tokenizer, raw_backend, verified_pieces
 from contextkeeper.tokens.pieces import AsciiWords, ByteBound, LineBlocks, PieceCounter, Pieces, Segments
 from contextkeeper.tokens.pieces._rules import _COVERED_BLOCKS, UnicodeWords, _coverage, _word_split
 
@@ -30,21 +29,11 @@ VOCABS = ("qwen2", "qwen2-raw", "llama-bpe", "qwen35", "harmony-on-qwen2")
 
 
 def _backend(vocab: str) -> Any:
-    if vocab.endswith("-raw"):
-        return Tokenizer.from_file(str(tokenizer_dir(vocab.removesuffix("-raw")) / "tokenizer.json"))
-    return hf_tokenizer(vocab).backend_tokenizer
-
-
-_COUNTERS: dict[str, PieceCounter] = {}
+    return raw_backend(vocab.removesuffix("-raw")) if vocab.endswith("-raw") else hf_tokenizer(vocab).backend_tokenizer
 
 
 def _counter(vocab: str) -> PieceCounter:
-    """One verified counter per vocabulary, kept warm across examples (its caches are part of what is tested)."""
-    if vocab not in _COUNTERS:
-        pieces = PieceCounter(_backend(vocab))
-        assert pieces.verify()
-        _COUNTERS[vocab] = pieces
-    return _COUNTERS[vocab]
+    return verified_pieces(vocab)  # type: ignore[no-any-return]
 
 
 def _unicode(pieces: PieceCounter) -> UnicodeWords:

@@ -22,6 +22,9 @@ applies, proves itself against the tokenizer on probe texts, and does the counti
   scripts, CJK, Hangul and their punctuation), with the pattern's classes written out from the Unicode tables
   and proved against the tokenizer's own pre-tokenizer for every covered character; pieces with other
   characters, or not in the normaliser's form, go to the tokenizer;
+- ``deepseek``: the same for DeepSeek V3's pre-tokenizer, three splits in a row (runs of up to three numbers,
+  runs of CJK ideographs and kana, then its word pattern), cut by one regex of ours proved against the
+  tokenizer's own three splits;
 - ``bound``: byte-level BPE has at most one token per UTF-8 byte (an upper bound without tokenizing).
 
 ``PieceCounter`` holds the rules that applied and verified and composes them; ``PieceCounter.full`` is the
@@ -33,12 +36,24 @@ counted without it — slower, never wrong.
 from __future__ import annotations
 
 from ._counter import PieceCounter
-from ._rules import RULES, AsciiWords, ByteBound, LineBlocks, Pieces, Rule, RuleReport, Segments, UnicodeWords
+from ._rules import (
+    RULES,
+    AsciiWords,
+    ByteBound,
+    DeepSeekWords,
+    LineBlocks,
+    Pieces,
+    Rule,
+    RuleReport,
+    Segments,
+    UnicodeWords,
+)
 
 __all__ = [
     "RULES",
     "AsciiWords",
     "ByteBound",
+    "DeepSeekWords",
     "LineBlocks",
     "PieceCounter",
     "Pieces",

@@ -13,6 +13,7 @@ from ._rules import (
     RULES,
     AsciiWords,
     ByteBound,
+    DeepSeekWords,
     LineBlocks,
     Pieces,
     Rule,
@@ -79,9 +80,12 @@ class PieceCounter:
         self._blocks = self._rule(LineBlocks)
         self._words = self._rule(AsciiWords)
         self._unicode = self._rule(UnicodeWords)
+        self._deepseek = self._rule(DeepSeekWords)
         self._bound = self._rule(ByteBound)
-        # The pre-token rules on, in the order they take pieces (ASCII first: its regex is the smaller).
-        self._word_rules = [rule for rule in (self._words, self._unicode) if rule is not None]
+        # The pre-token rules on, in the order they take pieces (ASCII first: its regex is the smaller). DeepSeek's
+        # rule is on only where the other two are off (they need another pre-tokenizer).
+        word_rules = (self._words, self._unicode, self._deepseek)
+        self._word_rules: list[AsciiWords] = [rule for rule in word_rules if rule is not None]
         # Byte-level BPE without a prefix space (what blocks and words need): a text's first piece counts as any
         # piece after an added token, so a text alone is its pieces.
         self._alone_as_pieces = self._pieces is not None and (self._blocks is not None or bool(self._word_rules))

@@ -9,9 +9,11 @@ from __future__ import annotations
 import bisect
 import codecs
 import copy
+import functools
 import itertools
 import json
 import re
+import string
 import unicodedata
 import zlib
 from abc import ABC, abstractmethod
@@ -26,6 +28,7 @@ __all__ = [
     "RULES",
     "AsciiWords",
     "ByteBound",
+    "DeepSeekWords",
     "LineBlocks",
     "Pieces",
     "Rule",
@@ -155,6 +158,8 @@ def _samples(tokenizer: Tokenizer) -> list[str]:
     return samples
 
 
+# A normaliser that does nothing (DeepSeek's tokenizer.json has one).
+_NO_NORMALIZER = {"type": "Sequence", "normalizers": []}
 # Pre-tokenizers that only cut the text (they add and change no characters; ByteLevel maps each byte to one
 # symbol, and is accepted only without its prefix space).
 _CUTTING = frozenset({"Split", "ByteLevel", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"})
@@ -180,7 +185,7 @@ def _byte_bound(backend: Any) -> str | None:
     """When a text provably has at most as many tokens as UTF-8 bytes: ``"any"`` text, ``"ascii"`` text only,
     or None (unknown). True for byte-level BPE: every symbol is one byte, a merge only joins symbols, and an
     added token is one token for at least one character; a normaliser must then not lengthen the text (none
-    does not; NFC leaves ASCII text as it is)."""
+    does not, nor does an empty Sequence; NFC leaves ASCII text as it is)."""
     parts = _bpe_parts(backend)
     if parts is None:
         return None
@@ -189,7 +194,7 @@ def _byte_bound(backend: Any) -> str | None:
         return None
     if any(step.get("type") not in _CUTTING or step.get("add_prefix_space") for step in steps):
         return None
-    if normalizer is None:
+    if normalizer is None or normalizer == _NO_NORMALIZER:
         return "any"
     if normalizer.get("type") == "NFC":
         return "ascii"
@@ -213,16 +218,17 @@ _QWEN35_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_LINE_SAFE_PATTERNS = frozenset(
-    {
-        _LLAMA3_SPLIT,
-        _QWEN2_SPLIT,
-        _QWEN35_SPLIT,
-        # DeepSeek V3 and later (after its digit and CJK cuts); its file holds real CR and LF characters
-        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
-        "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
-    }
+# DeepSeek V3 and later (V3.1, V4): a Sequence of three Splits, each run on every piece the one before made and
+# keeping its matches and the gaps between them as pieces (Isolated): runs of up to three numbers, runs of CJK
+# ideographs (U+4E00-U+9FA5) and kana, then the word pattern (its file holds real CR and LF characters).
+_DEEPSEEK_DIGITS = r"\p{N}{1,3}"
+_DEEPSEEK_KANA = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
+_DEEPSEEK_WORDS = (
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+    "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"
 )
+_DEEPSEEK_SPLITS = (_DEEPSEEK_DIGITS, _DEEPSEEK_KANA, _DEEPSEEK_WORDS)
+_LINE_SAFE_PATTERNS = frozenset({_LLAMA3_SPLIT, _QWEN2_SPLIT, _QWEN35_SPLIT, _DEEPSEEK_WORDS})
 # Pieces this long are counted in blocks cut at line starts. Where to cut is decided by the text alone (a line
 # start ends a block when the line before it has a CRC-32 of 0 modulo _EVERY, about every 8 lines), so the same lines
 # are cut the same wherever they sit: a tool result counted on its own (truncate's cap) and inside its message,
@@ -249,7 +255,7 @@ def _byte_level_splits(backend: Any) -> list[str] | None:
     if parts is None:
         return None
     steps, normalizer = parts
-    if normalizer not in (None, {"type": "NFC"}, {"type": "Sequence", "normalizers": []}):
+    if normalizer not in (None, {"type": "NFC"}, _NO_NORMALIZER):
         return None
     if not steps or steps[-1].get("type") != "ByteLevel":
         return None
@@ -351,10 +357,41 @@ class _Classes:
                 groups.get(category[0], groups[""]).append(block)
         return cls("".join(kept), *("".join(groups[key]) for key in ("L", "N", "M", "s", "")))  # still sorted
 
-    def written_out(self, pattern: str) -> str:
-        r"""``pattern`` for Python's `re`: `\p{L}`, `\p{N}`, `\p{M}` and `\s` as classes of these characters, `\S`
-        as the class of all other characters. Right for text of ``chars`` only."""
-        inside = {"L": self.letters, "N": self.numbers, "M": self.marks, "s": self.spaces}
+    @functools.cached_property
+    def punctuation(self) -> str:
+        r"""The characters of ``others`` in `\p{P}`."""
+        return "".join(c for c in self.others if unicodedata.category(c)[0] == "P")
+
+    @functools.cached_property
+    def symbols(self) -> str:
+        r"""The characters of ``others`` in `\p{S}`."""
+        return "".join(c for c in self.others if unicodedata.category(c)[0] == "S")
+
+    @functools.cached_property
+    def formats(self) -> str:
+        """The characters of ``others`` in neither: controls that are not whitespace, and format characters."""
+        return "".join(c for c in self.others if unicodedata.category(c)[0] not in "PS")
+
+    def written_out(self, pattern: str, cut: str = "") -> str:
+        r"""``pattern`` for Python's `re`: `\p{L}`, `\p{N}`, `\p{M}`, `\p{P}`, `\p{S}` and `\s` as classes of these
+        characters, `\S` as the class of all other characters. Right for text of ``chars`` only.
+
+        With ``cut`` (sorted characters that an earlier split has already cut into pieces of their own): the
+        pattern as it runs on the pieces between them. No class matches a character of ``cut``, and neither does
+        `\S`, so a look-ahead `(?!\S)` sees one as the end of the piece it is."""
+        inside = {
+            "L": self.letters,
+            "N": self.numbers,
+            "M": self.marks,
+            "P": self.punctuation,
+            "S": self.symbols,  # `\p{S}`; `\S` is written out below
+            "s": self.spaces,
+        }
+        cut_class = _char_class(cut)
+        if cut:
+            drop = re.compile(f"[{cut_class}]+").sub
+            inside = {key: drop("", chars) for key, chars in inside.items()}
+        bodies: dict[str, str] = {}  # each class written out once (a pattern may name one several times)
         in_class = False
 
         def replace(found: re.Match[str]) -> str:
@@ -362,14 +399,17 @@ class _Classes:
             escape, name, opening, closing = found.groups()
             if opening or closing:
                 in_class = bool(opening)
-                return found.group()
+                # A negated class must not match a cut character either.
+                return "[^" + cut_class if opening == "[^" else found.group()
             if escape == "S":
                 assert not in_class, "\\S inside a class is not written out"
-                return "[^" + _char_class(self.spaces) + "]"
+                return "[^" + _char_class("".join(sorted(self.spaces + cut))) + "]"
             key = name or escape
             if key not in inside:
                 return found.group()  # another escape (\r, \n, ...): the same in both engines
-            body = _char_class(inside[key])
+            if key not in bodies:
+                bodies[key] = _char_class(inside[key])
+            body = bodies[key]
             return body if in_class else f"[{body}]" if body else "(?!)"
 
         return _ESCAPES.sub(replace, pattern)
@@ -486,6 +526,112 @@ def _word_rule(backend: Any) -> re.Pattern[str] | None:
     pattern listed above (see ``_byte_level_splits``)."""
     pattern = _word_split(backend)
     return re.compile(_ASCII.written_out(pattern)) if pattern is not None else None
+
+
+def _deepseek_split(backend: Any) -> bool:
+    """Whether the pre-tokenizer is DeepSeek V3's three Splits, then ByteLevel (see ``_byte_level_splits``)."""
+    return _byte_level_splits(backend) == list(_DEEPSEEK_SPLITS)
+
+
+def _class(chars: str, then: str = "") -> str:
+    """``chars`` (sorted) as a regex character class followed by ``then``; "" when there are none."""
+    return f"[{_char_class(chars)}]{then}" if chars else ""
+
+
+def _deepseek_pattern(classes: _Classes) -> str:
+    r"""DeepSeek's three splits in sequence as one regex for Python's `re`, right for text of ``classes.chars``:
+    its matches, in order, are the pieces the last split makes (the pre-tokens). One regex can, because which
+    piece of the first two splits a character falls in is told by the character alone:
+
+    - A number is matched only by the first alternative, in runs of up to three from the start of a run of
+      numbers, as the first split cuts it: no later alternative matches one.
+    - So is a CJK ideograph or kana (the second split's class): a run of them is one piece of the second split,
+      and on it the word pattern matches letters and marks (after an optional mark or format character), or
+      punctuation and symbols; it holds no whitespace, no ASCII, and nothing else.
+    - On the pieces between them, the word pattern itself, written out with those characters cut
+      (``_Classes.written_out``): no class matches one, and `(?!\S)` sees one as the end of the piece.
+    - Where the word pattern matches nothing (a control or format character that is not the optional prefix of
+      a letter or mark after it), the run of such positions is a piece of its own, as Isolated keeps a gap."""
+    kana = re.compile(_DEEPSEEK_KANA)
+    numbers, marks, formats = classes.numbers, classes.marks, classes.formats
+    words = _merged(classes.letters, marks)
+    signs = _merged(classes.punctuation, classes.symbols)
+    kana_words, other_words = _class("".join(kana.findall(words))), _class(kana.sub("", words))
+    kana_formats, other_formats = "".join(kana.findall(formats)), kana.sub("", formats)
+    alternatives = [
+        _class(numbers, "{1,3}"),
+        classes.written_out(_DEEPSEEK_WORDS, _merged("".join(kana.findall(classes.chars)), numbers)),
+        kana_words and _class("".join(kana.findall(_merged(marks, formats))), "?") + kana_words + "+",
+        _class("".join(kana.findall(signs)), "+"),
+        # The gaps: runs of format characters, each not followed by a letter or mark of its own piece.
+        kana_formats and f"(?:{_class(kana_formats)}(?!{kana_words or '(?!)'}))+",
+        other_formats and f"(?:{_class(other_formats)}(?!{other_words or '(?!)'}))+",
+    ]
+    return "|".join(alternative for alternative in alternatives if alternative)
+
+
+def _merged(*parts: str) -> str:
+    """Sorted strings of distinct characters as one sorted string."""
+    return "".join(sorted("".join(parts)))
+
+
+@memoize("pieces.deepseek_words", sizer=lambda key, regex: 8 * len(regex.pattern) + 65536)
+def _deepseek_words() -> re.Pattern[str]:
+    """DeepSeek's pre-token regex for pieces of covered characters (ASCII ones included: a regex written out for
+    ASCII alone, with its small classes, cuts ASCII text no faster)."""
+    return re.compile(_deepseek_pattern(_coverage().classes))
+
+
+# The contexts DeepSeek's splits turn on, in ASCII: digit runs of one to seven, every ASCII punctuation character
+# before letters (the first alternative), punctuation runs before newlines, control characters before letters
+# (the optional prefix) and not (a gap).
+_DEEPSEEK_ASCII = (
+    " ".join("1234567"[:n] for n in range(1, 8)) + " x1234567y 3.14159 1,234,567.89 v2.14.1 0x1F 2026-11-05T09:30Z",
+    "".join(f"{p}ab {p}Z{p}{p}" for p in string.punctuation) + ' a.b.c ._ .NET \'tis "Hi" [x](y) #tag @me',
+    "..\n\n !?\r\n -->\n\n\tx ;;\r\r\n\n  }}\n  ] )\n\n\n;",
+    "\x00\x01a \x01\x02. \x1f\x1fb\x7f\x7f x\x00 \x08\n\x0e9 \x7f'",
+)
+# And beyond ASCII: digits of other scripts in runs, CJK and kana beside Latin, digits, spaces and marks (the
+# second split's borders), punctuation before letters, sign runs before newlines, format characters.
+_DEEPSEEK_CONTEXTS = (
+    "١٢٣٤٥٦٧ ١٢٣٤x١٢ ５５５５５５５ ०१२३४५६ ¹²³⁴ ½⅓ Ⅻⅻ ①②③④ 〇一二 3.14159 ١٫٥",
+    "abc漢字かなカナdef 漢a a漢 漢1 1漢 12345漢字67 ーa aー カ\u0301 a\u3099 ア\u3099 か\u3099\u309a ゛a ゠ア ・a a・",
+    "。漢 漢。 「引用」 漢\n\n 漢 \u3000漢\u3000 \u200b漢 漢\u200b 漢\u200ba é漢é ٣漢٣ Ａ漢Ａ ｶﾅ漢 㐀漢 龥龦 한漢",
+    "".join(f"{p}é {p}Ж" for p in string.punctuation) + " «abc» ¿Qué? —Ну «да» „Wort“ ‹x› ·a ‐b",
+    "«»\n\n →\r\n …\n \u3001\u3002\n\n 。\r\n x ±\n\n\n ™\r ‰‰\n",
+    "x\u3000\u3000. x\u00a0\u00a0. a \u200b b a\u200b\u200bb \u200b\n \u00ad\u00ad- x\u00ad \u200e\u200fא \x85\x85x",
+)
+
+
+@memoize("pieces.deepseek_probe", sizer=lambda key, probe: 4 * len(probe))
+def _deepseek_probe() -> str:
+    """A text on which our cut and the tokenizer's agree only if every covered character is in the same class in
+    both (see ``_class_probe``), for DeepSeek's splits: letters and marks as one run after a letter (a
+    character of any other class breaks it), punctuation and symbols after "." (the same), whitespace, format
+    characters after a letter and before "." and a letter (gaps; a joined pair tells them from whitespace),
+    numbers between letters and between dots and in one run (a number is cut off on its own, in threes), and
+    the contexts above."""
+    classes = _coverage().classes
+
+    def beyond(*parts: str) -> str:
+        return _beyond("".join(sorted("".join(parts))), "\x7f")
+
+    words, signs = beyond(classes.letters, classes.marks), beyond(classes.punctuation, classes.symbols)
+    spaces, formats, numbers = beyond(classes.spaces), beyond(classes.formats), beyond(classes.numbers)
+    return "\n".join(
+        (
+            "x" + words,
+            "." + signs,
+            " " + spaces + "x " + spaces + "\n" + spaces,
+            "x" + formats + "." + formats + "x" + formats + formats,
+            "x" + "x".join(numbers) + "x",
+            "." + ".".join(numbers) + ".",
+            "1" + numbers,
+            *_DEEPSEEK_CONTEXTS,
+            *_DEEPSEEK_ASCII,
+            _ASCII_PROBE,
+        )
+    )
 
 
 # -- the rules ---------------------------------------------------------------------------------------------------
@@ -781,6 +927,49 @@ class UnicodeWords(AsciiWords):
         return self.count(probes, tokenizer) == list(map(tokenizer.full, probes))
 
 
+class DeepSeekWords(UnicodeWords):
+    """A piece of covered characters counts as its pre-tokens under DeepSeek V3's three splits (numbers, CJK and
+    kana runs, words; see ``_deepseek_pattern``), each encoded by the BPE model. Other pieces go to the
+    tokenizer."""
+
+    name = "deepseek"
+    claim = "a piece of the covered scripts counts as its pre-tokens under DeepSeek's three splits"
+
+    @classmethod
+    def refusal(cls, tokenizer: Tokenizer) -> str | None:
+        if not _deepseek_split(tokenizer.backend):
+            return "the pre-tokenizer is not byte-level BPE with DeepSeek V3's digit, CJK and word splits"
+        return None
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        parts = _bpe_parts(tokenizer.backend)
+        assert parts is not None
+        self.findall = _deepseek_words().findall
+        self._uncovered = _coverage().uncovered.search
+        self._nfc = parts[1] == {"type": "NFC"}  # else none (see _byte_level_splits)
+        self._tokens = Memo("pieces.deepseek", sizer=text_key_size)
+        self.memos = (self._tokens,)
+
+    def takes(self, piece: str) -> bool:
+        """Whether the rule counts ``piece``: every character covered (an ASCII piece is, and is in NFC, without
+        a search), and none the normaliser would change."""
+        return piece.isascii() or super().takes(piece)
+
+    def verify(self, tokenizer: Tokenizer) -> bool:
+        """The cut: our pre-tokens, as byte-level symbols, are the tokenizer's own on the class probe (after its
+        normaliser); and the counts: equal to encoding on text of every script and on the probe's contexts."""
+        backend = tokenizer.backend
+        probe = _deepseek_probe()
+        if self._nfc:
+            probe = backend.normalizer.normalize_str(probe)
+        ours = [_symbols(word) for word in self.findall(probe)]
+        if ours != [word for word, _ in backend.pre_tokenizer.pre_tokenize_str(probe)]:
+            return False
+        texts = (*_SCRIPT_PROBES, *_DEEPSEEK_CONTEXTS, *_DEEPSEEK_ASCII, *_PROBE_TEXTS, _ASCII_PROBE)
+        probes = [text for text in texts if self.takes(text)]
+        return self.count(probes, tokenizer) == list(map(tokenizer.full, probes))
+
+
 class ByteBound(Rule):
     """A text has at most as many tokens as UTF-8 bytes (``kind`` ``"any"``) or, ASCII text only, characters
     (``"ascii"``): an upper bound without tokenizing (see ``_byte_bound``)."""
@@ -819,7 +1008,7 @@ class ByteBound(Rule):
 
 
 # In build order: a rule comes after the rules it needs.
-RULES: tuple[type[Rule], ...] = (Pieces, Segments, LineBlocks, AsciiWords, UnicodeWords, ByteBound)
+RULES: tuple[type[Rule], ...] = (Pieces, Segments, LineBlocks, AsciiWords, UnicodeWords, DeepSeekWords, ByteBound)
 
 
 @dataclass(frozen=True)
