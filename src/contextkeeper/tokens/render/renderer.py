@@ -99,13 +99,13 @@ class IncrementalRenderer:
         sequence = scope.get(split.sequence)
         messages: Sequence[Any] = sequence if isinstance(sequence, (list, tuple)) else ()
         marks = guard_marks(split, scope, len(messages)) if messages is sequence else None
-        spans = [scan.spans(messages) for scan in split.scans] if marks is not None else []
-        if marks is None or any(column is None for column in spans):
+        bounds = [scan.bounds(messages) for scan in split.scans] if marks is not None else []
+        if marks is None or any(column is None for column in bounds):
             assert split.whole is not None
             return [split.whole.render(context)]
         # A body sees the messages its scans visit: its window reaches that far (see Scan).
-        reach = max([split.reach, *(len(span) for column in spans if column for span in column)])
-        per_body = list(zip(*spans, strict=True)) if spans else [()] * len(messages)
+        reach = max([split.reach, *(stop - start for column in bounds if column for start, stop in column)])
+        per_body = list(zip(*bounds, strict=True)) if bounds else [()] * len(messages)
         generation = generation_key(split, head_text, scope)
         memo = self._memo(generation)
         previous = self._previous.get(generation)
@@ -230,12 +230,14 @@ class IncrementalRenderer:
         marks: Sequence[tuple[Any, ...]],
         per_body: Sequence[tuple[Any, ...]],
     ) -> str:
-        """The body's output for the message at ``index``, its marks and its scans' spans given as their
-        variables."""
+        """The body's output for the message at ``index``, its marks and its scans' spans (``per_body``: their
+        bounds) given as their variables."""
         split = self.split
         local = {**scope, split.target: messages[index], "loop": LoopState(index, count)}
         local.update(zip(_mark_names(split), marks[index], strict=True))
-        local.update(zip((scan.name for scan in split.scans), per_body[index], strict=True))
+        local.update(
+            (scan.name, scan.span(messages, found)) for scan, found in zip(split.scans, per_body[index], strict=True)
+        )
         return str(split.body.render(local))
 
     def _look_up(

@@ -42,13 +42,13 @@ class Scan:
     test: Any  # a compiled template that writes "1" when the test passes for ``item``
     memo: IdentityMemo[Any, bool] = field(compare=False)
 
-    def spans(self, messages: Sequence[Any]) -> list[list[Any]] | None:
-        """For each position, the messages the scan visits: in its direction up to and including the first that
-        passes the test (to the end of the list when none does). None when one reaches farther than
-        ``FARTHEST`` (the whole template renders such a list)."""
+    def bounds(self, messages: Sequence[Any]) -> list[tuple[int, int]] | None:
+        """For each position, the messages the scan visits as ``messages[start:stop]``: in its direction up to
+        and including the first that passes the test (to the end of the list when none does). None when one
+        reaches farther than ``FARTHEST`` (the whole template renders such a list)."""
         passed = tested(self.test, self.memo, messages)
         count = len(messages)
-        bounds: list[tuple[int, int]] = []  # each span as messages[start:stop], in list order
+        bounds: list[tuple[int, int]] = []
         if self.step > 0:
             stop = count  # the first passing position after the current one (count: none)
             for index in range(count - 1, -1, -1):
@@ -64,9 +64,13 @@ class Scan:
                     stop = index
         if any(end - start > FARTHEST for start, end in bounds):
             return None
-        if self.step > 0:
-            return [list(messages[start:end]) for start, end in bounds]
-        return [list(messages[start:end])[::-1] for start, end in bounds]
+        return bounds
+
+    def span(self, messages: Sequence[Any], bounds: tuple[int, int]) -> list[Any]:
+        """The messages of one position's bounds, in the order the scan visits them."""
+        start, stop = bounds
+        visited = list(messages[start:stop])
+        return visited if self.step > 0 else visited[::-1]
 
 
 def _integer(node: nodes.Node) -> int | None:
