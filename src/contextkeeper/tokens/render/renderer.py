@@ -11,7 +11,7 @@ from jinja2.utils import Namespace
 
 from ..._memo import Memo
 from .plan import BATCH, Previous, RenderPlan, body_key, generation_key, guard_marks, plan_render, window
-from .split import SENTINEL, SplitTemplate
+from .split import RECORD, SENTINEL, SplitTemplate
 
 # A body's window, its output, and the carried namespaces' state after it (None when nothing is carried).
 _Entry = tuple[tuple[Any, ...], str, Any]
@@ -118,6 +118,14 @@ class IncrementalRenderer:
             guarded=bool(split.guards or split.aheads),
         )
         if split.carried:
+            if plan.taken == 0 and not memo and len(messages) > BATCH:
+                # Nothing to reuse (a first render): one whole render, recording each body's state, beats
+                # rendering each body on its own.
+                recorded = self._render_recorded(context, scope, head_text, messages, marks, reach, memo)
+                if recorded is not None:
+                    bodies, tail_text, states = recorded
+                    self._remember(generation, Previous(list(messages), bodies, marks, states))
+                    return [head_text, *bodies, tail_text]
             threaded = self._threaded(plan, previous, memo, scope, marks, reach, per_body)
             if threaded is None:
                 assert split.whole is not None
@@ -279,6 +287,49 @@ class IncrementalRenderer:
             (body_key(split.positional, index, count, marks, seen), (seen, text, None))
             for index, (seen, text) in enumerate(zip(windows, bodies, strict=True))
         )
+
+    def _render_recorded(
+        self,
+        context: dict[str, Any],
+        scope: dict[str, Any],
+        head_text: str,
+        messages: Sequence[Any],
+        marks: Sequence[tuple[Any, ...]],
+        reach: int,
+        memo: Memo[Any, _Entry],
+    ) -> tuple[list[str], str, list[State]] | None:
+        """Every body's output, the tail's, and the carried state before each body and after the last, from one
+        whole render that records the state each body leaves; each body kept in the memo under the state it
+        started from, as ``_threaded`` would. None when the cut is not clean or a state is not plain."""
+        split = self.split
+        found = [scope.get(name) for name in split.carried]
+        spaces = [space for space in found if isinstance(space, Namespace)]
+        first = _state(spaces) if len(spaces) == len(found) else None
+        if first is None:
+            return None
+        after: list[State | None] = []
+
+        def record(*carried: Any) -> str:
+            after.append(_state(carried) if all(isinstance(c, Namespace) for c in carried) else None)
+            return ""
+
+        count = len(messages)
+        cut = self._render_marked({**context, RECORD: record}, head_text, count)
+        if cut is None or len(after) != count or any(state is None for state in after):
+            return None
+        bodies, tail_text = cut
+        states: list[State] = [first, *(state for state in after if state is not None)]
+        memo.put_many(
+            (
+                (body_key(split.positional, index, count, marks, seen), states[index]),
+                (seen, text, states[index + 1]),
+            )
+            for index, (seen, text) in enumerate(
+                zip((window(messages, i, reach) for i in range(count)), bodies, strict=True)
+            )
+        )
+        _restore(spaces, states[-1])
+        return bodies, tail_text, states
 
     def _render_marked(self, context: dict[str, Any], head_text: str, count: int) -> tuple[list[str], str] | None:
         """Every body's output from one whole render, or None when the cut is not clean."""

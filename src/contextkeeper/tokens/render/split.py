@@ -28,6 +28,7 @@ from .syntax import (
 # Written after every loop iteration by the marked template, to cut one whole render into per-message outputs.
 # Private-use characters around a fixed tag; if a message happens to contain it, the cut is refused (count check).
 SENTINEL = "\ue000contextkeeper-body-end\ue001"
+RECORD = "__contextkeeper_record"  # the function a marked render of a template with carried state calls
 
 
 @dataclass(frozen=True)
@@ -481,10 +482,25 @@ def _cut(template: Template, parsed: Parsed) -> SplitTemplate | Refusal:
     sequence = parsed.sequence
     reach = body_reach(parsed.body, parsed.parents, sequence)
     assert reach is not None  # neighbours_only passed
+    # With carried namespaces, each iteration of the marked render also hands their state to RECORD (see
+    # IncrementalRenderer), so one whole render gives every body's output and the state it leaves.
+    record = (
+        [
+            nodes.Output(
+                [
+                    nodes.Call(
+                        nodes.Name(RECORD, "load"), [nodes.Name(n, "load") for n in parsed.carried], [], None, None
+                    )
+                ]
+            )
+        ]
+        if parsed.carried
+        else []
+    )
     marked_loop = nodes.For(
         loop.target,
         loop.iter,
-        [*loop.body, nodes.Output([nodes.TemplateData(SENTINEL)])],
+        [*loop.body, *record, nodes.Output([nodes.TemplateData(SENTINEL)])],
         loop.else_,
         loop.test,
         loop.recursive,
