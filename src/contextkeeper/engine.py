@@ -43,6 +43,11 @@ class Setup:
     policy: str
     backend: Callable[[LLMCall], str] | None
 
+    def runs(self, strategy: Any) -> bool:
+        """Whether ``strategy`` runs in a fit: a summarising step only with a summarizer (the sliding window
+        covers for it otherwise)."""
+        return self.backend is not None or not getattr(strategy, "needs_backend", False)
+
 
 def _role(message: Any) -> str:
     role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
@@ -396,8 +401,8 @@ def read(setup: Setup, session: Session, ask: Ask, per_token: float) -> Draft:
     )
     initial = state.history
     for strategy, trigger in setup.pipeline:
-        if getattr(strategy, "needs_backend", False) and setup.backend is None:
-            continue  # a summarising step without a summarizer: the sliding window covers it
+        if not setup.runs(strategy):
+            continue
         if trigger(state):
             state = run_sync(strategy, state, setup.backend)
     state = run_sync(SlidingWindow(after_cut=sticky is None and horizon > sys_end), state)
@@ -474,11 +479,7 @@ def _horizon(setup: Setup, session: Session, ask: Ask, per_token: float) -> int:
         return sys_end
     foresight = [_kept_chars(strategy) for strategy, _ in setup.pipeline if isinstance(strategy, Foresight)]
     budget = ask.budget.prompt * per_token
-    if any(
-        getattr(strategy, "reads_beyond", False)
-        and (setup.backend is not None or not getattr(strategy, "needs_backend", False))
-        for strategy, _ in setup.pipeline
-    ):
+    if any(getattr(strategy, "reads_beyond", False) and setup.runs(strategy) for strategy, _ in setup.pipeline):
         budget *= _BEYOND  # a step that summarises what does not fit needs that history read
     # The system prompt and the request are always kept: history has the rest of the budget.
     kept = (*range(sys_end), *range(last_user, len(ask.messages)))

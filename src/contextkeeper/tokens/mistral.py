@@ -108,16 +108,23 @@ def _short_ids(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def _tekken_bpe(raw: Any) -> Any:
+    """The tiktoken model under a Tekken tokenizer whose ``encode`` is mistral-common's own (tiktoken's ids, each
+    shifted past the special tokens with a property read per token); None for any other tokenizer."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    return raw._model if type(raw).encode is Tekkenizer.encode else None
+
+
 def _counting_twin(instruct: Any) -> Any:
     """mistral-common's instruct tokenizer, copied, with a Tekken ``encode`` that gives the same ids faster: the
     library's adds the special tokens' offset to each id through a property read per token (as long as the BPE
     itself). Other tokenizers come back as they are."""
-    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
-
     raw = instruct.tokenizer
-    if type(raw).encode is not Tekkenizer.encode:
+    model = _tekken_bpe(raw)
+    if model is None:
         return instruct
-    model, offset, bos_id, eos_id = raw._model, raw.num_special_tokens, raw.bos_id, raw.eos_id
+    offset, bos_id, eos_id = raw.num_special_tokens, raw.bos_id, raw.eos_id
 
     def encode(s: str, bos: bool, eos: bool) -> list[int]:
         tokens = [t + offset for t in model.encode(s)]
@@ -207,11 +214,8 @@ class MistralCounter:
         )
         self._instruct = _counting_twin(self._serving.instruct_tokenizer)
         self.incremental = incremental and self._agrees()
-        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
-
-        raw = self._serving.instruct_tokenizer.tokenizer
-        # Tekken's encode is tiktoken's plus one Python addition per token: counted on tiktoken's ids directly.
-        self._bpe: Any = raw._model if type(raw).encode is Tekkenizer.encode else None
+        # Tekken's encode is tiktoken's plus one Python addition per token: snippets are counted on tiktoken's ids.
+        self._bpe: Any = _tekken_bpe(self._serving.instruct_tokenizer.tokenizer)
 
     @property
     def tokenizer(self) -> Any:
@@ -322,13 +326,13 @@ class MistralCounter:
                 validator._validate_message_list_content([read.converted])
             read.checked.add(key)
 
-    def _setting(self, reads: list[_Read], tools: ToolsLike, tokenizer: Any) -> _Setting:
+    def _setting(self, reads: list[_Read], tools: ToolsLike) -> _Setting:
         """The tools, system prompt and settings mistral-common derives for this request, from a request of the
         system messages and the tools alone (validated as the whole one would be), once per such pair."""
         from mistral_common.protocol.instruct.messages import UserMessage
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
-        systems = [r.converted for r in reads if r.converted.role == _SYSTEM]
+        systems = [r.converted for r in reads if r.role == _SYSTEM]
         key = json.dumps(
             [[m.model_dump(mode="json") for m in systems], [dict(t) for t in tools] if tools else None],
             ensure_ascii=False,
@@ -340,8 +344,8 @@ class MistralCounter:
                 messages=[{"role": "user", "content": ""}], tools=[dict(t) for t in tools] if tools else None
             )
             probe = ChatCompletionRequest(messages=[*systems, UserMessage(content="")], tools=probe.tools)
-            validated = tokenizer._chat_completion_request_validator.validate_request(probe)
-            instruct = tokenizer._instruct_request_normalizer.from_chat_completion_request(validated)
+            validated = self._serving._chat_completion_request_validator.validate_request(probe)
+            instruct = self._serving._instruct_request_normalizer.from_chat_completion_request(validated)
             with self._lock:
                 self._serials += 1
                 serial = self._serials
@@ -357,7 +361,7 @@ class MistralCounter:
         reads = [read if read is not None else self._read(m) for m, read in zip(conversation, found, strict=True)]
         tokenizer = self._tokenizer_for(reads[-1].role if reads else None)
         self._validate(reads, tokenizer)
-        setting = self._setting(reads, tools, self._serving)
+        setting = self._setting(reads, tools)
         normalizer = tokenizer._instruct_request_normalizer
         instruct = self._instruct
         # The normaliser's runs: neighbours of one role (and one training weight) become one message, tool

@@ -29,6 +29,15 @@ def _mark_names(split: SplitTemplate) -> list[str]:
     return [*(guard.name for guard in split.guards), *(ahead.name for ahead in split.aheads)]
 
 
+def _carried(split: SplitTemplate, scope: dict[str, Any]) -> tuple[list[Namespace], State] | None:
+    """The carried namespaces as the head left them, and their state; None when one is not a namespace or holds a
+    value that is not a plain constant."""
+    found = [scope.get(name) for name in split.carried]
+    spaces = [space for space in found if isinstance(space, Namespace)]
+    state = _state(spaces) if len(spaces) == len(found) else None
+    return None if state is None else (spaces, state)
+
+
 def _state(spaces: Sequence[Namespace]) -> State | None:
     """The fields of each namespace, when every value is a plain constant (else None: the template is rendered
     whole, as a value such as a list could be changed in place where no snapshot sees it)."""
@@ -182,13 +191,10 @@ class IncrementalRenderer:
         split = self.split
         messages = scope[split.sequence]
         count = plan.count
-        found = [scope.get(name) for name in split.carried]
-        spaces = [space for space in found if isinstance(space, Namespace)]
-        if len(spaces) != len(found):
+        carried = _carried(split, scope)
+        if carried is None:
             return None
-        state = _state(spaces)
-        if state is None:
-            return None
+        spaces, state = carried
         old = previous.states if previous is not None and previous.states else None
         texts: list[str] = []
         states: list[State] = []
@@ -279,14 +285,21 @@ class IncrementalRenderer:
         marks: Sequence[tuple[Any, ...]],
         bodies: list[str],
         reach: int,
+        states: Sequence[State] | None = None,
     ) -> None:
-        """Remember every body output of a marked render."""
+        """Remember every body output of a marked render; with ``states`` (the carried state before each body and
+        after the last), each under the state it started from, with the state it left, as ``_threaded`` keys
+        them."""
         split, count = self.split, len(messages)
-        windows = [window(messages, index, reach) for index in range(len(bodies))]
-        memo.put_many(
-            (body_key(split.positional, index, count, marks, seen), (seen, text, None))
-            for index, (seen, text) in enumerate(zip(windows, bodies, strict=True))
-        )
+        entries: list[tuple[Any, _Entry]] = []
+        for index, text in enumerate(bodies):
+            seen = window(messages, index, reach)
+            key = body_key(split.positional, index, count, marks, seen)
+            if states is None:
+                entries.append((key, (seen, text, None)))
+            else:
+                entries.append(((key, states[index]), (seen, text, states[index + 1])))
+        memo.put_many(entries)
 
     def _render_recorded(
         self,
@@ -301,12 +314,10 @@ class IncrementalRenderer:
         """Every body's output, the tail's, and the carried state before each body and after the last, from one
         whole render that records the state each body leaves; each body kept in the memo under the state it
         started from, as ``_threaded`` would. None when the cut is not clean or a state is not plain."""
-        split = self.split
-        found = [scope.get(name) for name in split.carried]
-        spaces = [space for space in found if isinstance(space, Namespace)]
-        first = _state(spaces) if len(spaces) == len(found) else None
-        if first is None:
+        carried = _carried(self.split, scope)
+        if carried is None:
             return None
+        spaces, first = carried
         after: list[State | None] = []
 
         def record(*carried: Any) -> str:
@@ -319,15 +330,7 @@ class IncrementalRenderer:
             return None
         bodies, tail_text = cut
         states: list[State] = [first, *(state for state in after if state is not None)]
-        memo.put_many(
-            (
-                (body_key(split.positional, index, count, marks, seen), states[index]),
-                (seen, text, states[index + 1]),
-            )
-            for index, (seen, text) in enumerate(
-                zip((window(messages, i, reach) for i in range(count)), bodies, strict=True)
-            )
-        )
+        self._keep_all(memo, messages, marks, bodies, reach, states)
         _restore(spaces, states[-1])
         return bodies, tail_text, states
 

@@ -208,8 +208,9 @@ def _replace_reads(root: Any, sequence: str, index: str, replacement: nodes.Name
     return root
 
 
-def _scan_shape(loop: nodes.For, sequence: str, env: Any) -> tuple[int, nodes.Node] | None:
-    """(the direction, the stopping test) of a loop with one of the scans' shapes over ``sequence``; else None."""
+def _scan_shape(loop: nodes.For, sequence: str, env: Any) -> tuple[int, nodes.Expr] | None:
+    """(the direction, the stopping test reading the scanned message as ``item``) of a loop with one of the
+    scans' shapes over ``sequence``; else None."""
     step = _range_start(loop)
     if step is None:
         return None
@@ -230,9 +231,10 @@ def _scan_shape(loop: nodes.For, sequence: str, env: Any) -> tuple[int, nodes.No
         return None
     if any(isinstance(n, nodes.Name) and n.name == "loop" for n in walk(nodes.Template(list(loop.body)))):
         return None
-    if pure_test(_item_test(test, sequence, index, env), "item", env.tests) is None:
+    item_test = _item_test(test, sequence, index, env)
+    if pure_test(item_test, "item", env.tests) is None:
         return None
-    return step, test
+    return step, item_test
 
 
 def take_scans(body: nodes.Template, env: Any, sequence: str) -> tuple[nodes.Template, tuple[Scan, ...]]:
@@ -251,7 +253,7 @@ def take_scans(body: nodes.Template, env: Any, sequence: str) -> tuple[nodes.Tem
             Scan(
                 name,
                 step,
-                check_of(_item_test(test, sequence, index, env), env),
+                check_of(test, env),
                 IdentityMemo("render.scans", sizer=result_size),
             )
         )
