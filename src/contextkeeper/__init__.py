@@ -41,8 +41,10 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
     from ._memo import CacheUsage, cache_bytes, cache_usage, set_cache_bytes
     from .backends import CallReport, DriftWarning
     from .budget import Reserve
+    from .calibration import Calibration, Probe, ProbeResult, calibrate
     from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, profile
     from .diagnose import diagnose as doctor
+    from .dialects import Dialect, dialect_of
     from .keeper import ContextKeeper
     from .ledger import AdmissionTimeout, ExceedsCapacity, Ledger
     from .memory import (
@@ -78,6 +80,12 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
 # Importing contextkeeper (and so its pytest plugin, in every test session) stays cheap: each name's module is
 # imported when the name is first used.
 _LAZY: dict[str, str] = {
+    "Calibration": ".calibration",
+    "Probe": ".calibration",
+    "ProbeResult": ".calibration",
+    "calibrate": ".calibration",
+    "Dialect": ".dialects",
+    "dialect_of": ".dialects",
     "AdmissionTimeout": ".ledger",
     "Breakdown": ".tokens",
     "CacheUsage": "._memo",
@@ -162,6 +170,7 @@ __all__ = [
     "AdmissionTimeout",
     "Breakdown",
     "CacheUsage",
+    "Calibration",
     "CallReport",
     "ChatTemplateError",
     "ConfigurationError",
@@ -173,6 +182,7 @@ __all__ = [
     "CountingError",
     "DetectedGPU",
     "Diagnosis",
+    "Dialect",
     "DriftWarning",
     "ExceedsCapacity",
     "Fit",
@@ -199,6 +209,8 @@ __all__ = [
     "PlanSettings",
     "Policy",
     "PolicyError",
+    "Probe",
+    "ProbeResult",
     "ProfileReport",
     "ProviderError",
     "Recommendation",
@@ -223,7 +235,9 @@ __all__ = [
     "breakdown",
     "cache_bytes",
     "cache_usage",
+    "calibrate",
     "detect_gpus",
+    "dialect_of",
     "doctor",
     "find_gpu",
     "gpu_catalog",

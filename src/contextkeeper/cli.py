@@ -140,7 +140,7 @@ def _count(args: argparse.Namespace) -> int:
 
     messages = _read_json(args.messages, "messages", "--messages")
     tools = _read_json(args.tools, "tools", "--tools") if args.tools else None
-    counter = load_counter(args.tokenizer, chat_template=_template(args), view=args.view)
+    counter = load_counter(args.tokenizer, chat_template=_template(args), view=args.view, server=args.server)
     parts = breakdown(counter, messages, tools=tools)
     if args.json:
         out = {"tokens": parts.tokens, "tokenizer": args.tokenizer, **parts.as_dict()}
@@ -161,7 +161,11 @@ def _fit(args: argparse.Namespace) -> int:
     messages = _read_json(args.messages, "messages", "--messages")
     tools = _read_json(args.tools, "tools", "--tools") if args.tools else None
     keeper = ContextKeeper(
-        args.tokenizer, chat_template=_template(args), context_window=args.context, policy=args.policy
+        args.tokenizer,
+        chat_template=_template(args),
+        context_window=args.context,
+        policy=args.policy,
+        server=args.server,
     )
     fit = keeper.fit(messages, tools=tools, max_tokens=args.max_tokens)
     if args.json:
@@ -386,6 +390,17 @@ file); 2 an error, printed as one line on stderr (and as {"error": {"type", "mes
 --json). `contextkeeper COMMAND --help` describes each command."""
 
 
+def _server_option(parser: argparse.ArgumentParser) -> None:
+    from .dialects import DIALECTS
+
+    parser.add_argument(
+        "--server",
+        choices=list(DIALECTS),
+        default=None,
+        help="the server whose preprocessing the count follows (default vllm; see docs/dialects.md)",
+    )
+
+
 def _json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout (errors too)")
 
@@ -452,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="server",
         help="server: preprocess as vLLM does before templating; raw: as transformers takes them",
     )
+    _server_option(count)
     _json_option(count)
     count.set_defaults(func=_count)
 
@@ -468,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--context", type=int, required=True, help="context window in tokens")
     fit.add_argument("--max-tokens", type=int, required=True, help="tokens reserved for the answer")
     fit.add_argument("--policy", default="default", help="built-in policy name, a .toml file, or auto")
+    _server_option(fit)
     _json_option(fit)
     fit.set_defaults(func=_fit)
 

@@ -18,6 +18,8 @@ from typing import Any, Literal, cast
 from . import engine
 from ._exceptions import ConfigurationError, InvariantViolation, RequestTooLarge
 from .budget import Budget, Reserve
+from .calibration import Calibration, calibrate
+from .dialects import dialect_of
 from .messages import MessageLike
 from .policy import Policy, resolve_policy
 from .report import Fit, FitReport
@@ -71,12 +73,14 @@ class ContextKeeper:
         admission_timeout: float = 30.0,
         kv_capacity: int | None = None,
         monitor: Any = None,
+        server: str | None = None,
     ) -> None:
         if tokenizer is None:
             raise ConfigurationError(
                 "ContextKeeper needs tokenizer=... (a folder, .gguf file, hub id or mistral:<name>)"
             )
-        self.counter: TokenCounter = self._counter(tokenizer, chat_template, template_limits)
+        self.server = dialect_of(server)  # whose preprocessing the counts follow (vLLM's unless told)
+        self.counter: TokenCounter = self._counter(tokenizer, chat_template, template_limits, server)
         self.name = str(getattr(self.counter, "name", tokenizer))
         self.model = None
         limits: list[tuple[int, str]] = []
@@ -145,19 +149,21 @@ class ContextKeeper:
         return clone
 
     @staticmethod
-    def _counter(tokenizer: Any, chat_template: str | None, limits: TemplateLimits | None) -> TokenCounter:
+    def _counter(
+        tokenizer: Any, chat_template: str | None, limits: TemplateLimits | None, server: str | None
+    ) -> TokenCounter:
         if isinstance(tokenizer, str):
-            return load_counter(tokenizer, chat_template=chat_template, template_limits=limits)
+            return load_counter(tokenizer, chat_template=chat_template, template_limits=limits, server=server)
         if hasattr(tokenizer, "apply_chat_template"):
             from .tokens import HFChatTemplateCounter
 
-            return HFChatTemplateCounter(tokenizer, chat_template=chat_template, template_limits=limits)
+            return HFChatTemplateCounter(tokenizer, chat_template=chat_template, template_limits=limits, server=server)
         if callable(getattr(tokenizer, "count", None)):
-            if chat_template is not None or limits is not None:
+            if chat_template is not None or limits is not None or server is not None:
                 raise ConfigurationError(
-                    "chat_template= and template_limits= apply when the keeper builds the counter; this tokenizer is "
-                    "a ready counter. Fix: pass them to the counter itself (load_counter(..., chat_template=..., "
-                    "template_limits=...)) or pass the tokenizer instead"
+                    "chat_template=, template_limits= and server= apply when the keeper builds the counter; this "
+                    "tokenizer is a ready counter. Fix: pass them to the counter itself (load_counter(..., "
+                    "chat_template=..., template_limits=..., server=...)) or pass the tokenizer instead"
                 )
             return tokenizer  # type: ignore[no-any-return]
         raise ConfigurationError(
@@ -236,6 +242,12 @@ class ContextKeeper:
         return int(self.counter.count(messages, tools=list(tools) if tools else None))
 
     # ------------------------------------------------------------------------------------ wrapped calls
+    def calibrate(self, target: Any, *, timeout: float = 10.0) -> Calibration:
+        """Compare this keeper's counts with a running server's on probe conversations, each aimed at one rule
+        where servers differ (``target``: an openai client or the server's URL; llama.cpp's llama-server, which
+        renders and tokenizes on request). Every difference comes with the rule that explains it."""
+        return calibrate(self.counter, target, timeout=timeout)
+
     def wrap(self, client: Any, **options: Any) -> Any:
         """``client`` with its own call shape, every call fitted first: an ``openai.OpenAI`` / ``AsyncOpenAI``
         (``client.chat.completions.create(...)``, streams included), a transformers model (with

@@ -44,6 +44,7 @@ from .._exceptions import (
     StreamInterrupted,
     TransportError,
 )
+from ..dialects import DIALECTS
 from .base import Backend, Reply, Request
 from .errors import Attempted, Failure, classify, provider_error
 from .servers import Drift, fewer_advice, kind_of_error
@@ -534,7 +535,18 @@ class Call:
             advice = fewer_advice(
                 self.server.kind, Drift(tokens=-drift, final_assistant=role == "assistant", strict_tools=strict)
             )
-        warnings.warn(text + advice, DriftWarning, stacklevel=_caller_level())
+        warnings.warn(text + self._dialect_advice() + advice, DriftWarning, stacklevel=_caller_level())
+
+    def _dialect_advice(self) -> str:
+        """The likeliest cause when the server is one whose preprocessing the keeper does not follow."""
+        kind, dialect = self.server.kind, getattr(self.keeper, "server", None)
+        if kind is None or dialect is None or kind not in DIALECTS or kind == dialect.name:
+            return ""
+        return (
+            f" The server is {kind}, and the keeper counts {dialect.name}'s preprocessing (roles, tool schemas, "
+            f"BOS, a final assistant message and more differ). Fix: ContextKeeper(..., server={kind!r}) "
+            "(docs/dialects.md)."
+        )
 
     def _broke(self, reply: Reply) -> BaseException | None:
         """A stream that did not end normally: map what broke it, and record the call as failed with what had

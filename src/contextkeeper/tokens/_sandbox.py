@@ -55,11 +55,15 @@ from .render.settle import ITEMS, NO_PLAN, SettlePlan, settle
 __all__ = [
     "DEFAULT_LIMITS",
     "FROZEN_JSON",
+    "JINJA_RULES",
+    "PYTHON_JINJA",
+    "JinjaRules",
     "TemplateLimits",
     "bounded",
     "compile_template",
     "limits_of",
     "same_values",
+    "whole_floats",
 ]
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
@@ -1081,6 +1085,51 @@ class _ReferenceSandbox(_ChatSandbox):
     settle_scans = False
 
 
+@dataclass(frozen=True)
+class JinjaRules:
+    """Where a server's Jinja engine differs from Python's (llama.cpp's: C++ with nlohmann::json)."""
+
+    ascii_trim: bool = False  # ``trim`` strips ASCII whitespace only (C's isspace: U+00A0 and U+3000 stay)
+    whole_float_json: bool = False  # ``tojson`` writes a whole float as an integer (1.0 -> 1)
+
+
+PYTHON_JINJA = JinjaRules()
+# The rules of the render running now (set by the counter around each render; compiled templates are shared).
+JINJA_RULES: contextvars.ContextVar[JinjaRules] = contextvars.ContextVar("contextkeeper_jinja", default=PYTHON_JINJA)
+_ASCII_SPACE = " \t\n\r\f\v"
+
+
+def _ruled_trim(original: Callable[..., Any]) -> Callable[..., Any]:
+    def trim(value: Any, chars: str | None = None) -> Any:
+        if chars is None and type(value) is str and JINJA_RULES.get().ascii_trim:
+            return value.strip(_ASCII_SPACE)
+        return original(value, chars)
+
+    return trim
+
+
+def whole_floats(value: Any) -> Any:
+    """``value`` with every whole float (in dicts and lists, at any depth) an int; the same object if it has none."""
+    if type(value) is float and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, dict):
+        items = {key: whole_floats(item) for key, item in value.items()}
+        return value if all(items[key] is value[key] for key in value) else items
+    if isinstance(value, list):
+        listed = [whole_floats(item) for item in value]
+        return value if all(a is b for a, b in zip(listed, value, strict=True)) else listed
+    return value
+
+
+def _ruled_tojson(original: Callable[..., Any]) -> Callable[..., Any]:
+    def tojson(value: Any, *args: Any, **kwargs: Any) -> Any:
+        if JINJA_RULES.get().whole_float_json:
+            value = whole_floats(value)
+        return original(value, *args, **kwargs)
+
+    return tojson
+
+
 _SANDBOXES: dict[bool, type[_ChatSandbox]] = {True: _ChatSandbox, False: _ReferenceSandbox}
 
 
@@ -1097,7 +1146,9 @@ def compile_template(source: str, settle_scans: bool = True) -> Template:
     )
     env.filters.update(reference.filters)
     if "tojson" in env.filters:
-        env.filters["tojson"] = FROZEN_JSON.wrap(env.filters["tojson"])
+        env.filters["tojson"] = FROZEN_JSON.wrap(_ruled_tojson(env.filters["tojson"]))
+    if "trim" in env.filters:
+        env.filters["trim"] = _ruled_trim(env.filters["trim"])
     for name, check in _FILTER_CHECKS.items():
         if name in env.filters:
             env.filters[name] = _bounded_filter(env.filters[name], check)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import sys
 import threading
@@ -12,9 +13,11 @@ from typing import Any, Literal
 import jinja2
 import jinja2.meta
 import jinja2.nodes
+import tokenizers
 
 from .._exceptions import ChatTemplateError, ConfigurationError, CountingError
 from .._memo import IdentityMemo, data_size, memoize, shared_prefix, shared_suffix
+from ..dialects import Dialect, dialect_of
 from ..messages import (
     ContentPart,
     Conversation,
@@ -24,7 +27,16 @@ from ..messages import (
     server_view_message,
     surrogate_at,
 )
-from ._sandbox import FROZEN_JSON, TemplateLimits, bounded, compile_template, limits_of, same_values
+from ._sandbox import (
+    FROZEN_JSON,
+    JINJA_RULES,
+    JinjaRules,
+    TemplateLimits,
+    bounded,
+    compile_template,
+    limits_of,
+    same_values,
+)
 from .base import Measurement, MessagesLike, ToolsLike
 from .media import MediaCost, media_cost_for
 from .pieces import PieceCounter
@@ -138,6 +150,42 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
     return clean
 
 
+def _adds_bos(tokenizer: Any) -> bool:
+    bos, backend = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "backend_tokenizer", None)
+    if bos is None:
+        return False
+    if backend is not None:
+        return list(backend.encode("a", add_special_tokens=True).ids[:1]) == [bos]
+    return list(tokenizer.encode("a", add_special_tokens=True)[:1]) == [bos]
+
+
+_UNICODE_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+
+
+def _without_unicode_forms(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer`` whose backend applies no Unicode normal form (servers such as llama.cpp apply
+    none), or ``tokenizer`` itself when it applies none; the caller's tokenizer is not changed."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None:
+        return tokenizer
+    data = json.loads(backend.to_str())
+    normalizer = data.get("normalizer")
+    if not normalizer:
+        return tokenizer
+    if normalizer.get("type") in _UNICODE_FORMS:
+        data["normalizer"] = None
+    elif normalizer.get("type") == "Sequence":
+        kept = [part for part in normalizer.get("normalizers", []) if part.get("type") not in _UNICODE_FORMS]
+        if len(kept) == len(normalizer.get("normalizers", [])):
+            return tokenizer
+        data["normalizer"] = {"type": "Sequence", "normalizers": kept} if kept else None
+    else:
+        return tokenizer
+    clone = copy.copy(tokenizer)
+    clone._tokenizer = tokenizers.Tokenizer.from_str(json.dumps(data))
+    return clone
+
+
 class _FrozenTools(list):  # type: ignore[type-arg]
     """A counter's deep copy of tool schemas; nothing ever changes it."""
 
@@ -167,6 +215,7 @@ class HFChatTemplateCounter:
         name: str | None = None,
         incremental: bool = True,
         template_limits: TemplateLimits | None = None,
+        server: str | Dialect | None = None,
     ) -> None:
         if not callable(getattr(tokenizer, "encode", None)) or not hasattr(tokenizer, "special_tokens_map"):
             # A path here would fail only at the first count, deep in a render.
@@ -187,7 +236,12 @@ class HFChatTemplateCounter:
             )
         self._templates: str | dict[str, str] = source
         self.template_kwargs = dict(template_kwargs or {})
-        self.view: View = view
+        # The server whose preprocessing the count follows (vLLM's unless told); its view wins over ``view``.
+        self.dialect = dialect_of(server)
+        self.view: View = "raw" if self.dialect.view == "raw" else view
+        self._jinja = JinjaRules(ascii_trim=self.dialect.ascii_trim, whole_float_json=self.dialect.json_whole_floats)
+        if not self.dialect.unicode_normalization:
+            tokenizer = self.tokenizer = _without_unicode_forms(tokenizer)
         sources = [source] if isinstance(source, str) else list(source.values())
         for template_source in sources:
             _compile(template_source, self.name)
@@ -198,7 +252,11 @@ class HFChatTemplateCounter:
         # Both decided from what the template reads, not from one rendering: a template may read tools only in
         # some conversations (say, when there is a system message), and then it does not ignore them.
         variables = frozenset().union(*(_template_variables(t) for t in sources))
-        self.renders_date = bool({"strftime_now", "date_string"} & variables)
+        self.renders_date = bool({"strftime_now", "date_string", "datetime"} & variables)
+        self._template_text = "\n".join(sources)
+        # Whether the tokenizer puts a BOS before text of its own accord (a runtime that cuts the template's BOS then
+        # adds one). Asked of the backend: calling the tokenizer would reset the caller's padding and truncation.
+        self._adds_bos = self.dialect.bos == "runtime" and _adds_bos(tokenizer)
         self.ignores_tools = "tools" not in variables
         self._warned_tools = False
         self._lock = threading.Lock()
@@ -279,7 +337,58 @@ class HFChatTemplateCounter:
         plain, media = self._view(self._conversation(messages))
         tool_list = self._tool_list(tools)
         segments = self._render(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
-        return segments, media, tool_list
+        return self._server_segments(plain, tool_list, segments, add_generation_prompt), media, tool_list
+
+    def _server_segments(
+        self,
+        plain: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        segments: list[str],
+        add_generation_prompt: bool,
+    ) -> list[str]:
+        """The rendered prompt as the dialect's server tokenizes it (continuation, BOS)."""
+        dialect = self.dialect
+        if (
+            dialect.final_assistant == "continue"
+            and add_generation_prompt
+            and plain
+            and plain[-1]["role"] == "assistant"
+        ):
+            segments = [self._continuation(plain, tools)]
+        if dialect.bos == "runtime" and self._adds_bos:
+            bos = str(self.tokenizer.bos_token)
+            # The server cuts a BOS the template wrote and its tokenizer adds one: one BOS either way.
+            if not (segments and segments[0].startswith(bos)):
+                segments = [bos, *segments]
+        return segments
+
+    def _continuation(self, plain: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The prompt of a server that continues the final assistant message, as llama.cpp builds it: the earlier
+        messages without a generation prompt, then what a generation prompt adds to them (the text after the
+        two renders' common prefix, which for some templates starts inside a special token, as the server's
+        does), the empty reasoning block a thinking template writes when thinking is off, and the content."""
+        head = plain[:-1]
+        closed, added = self._generation_prompt(head, tools, None)
+        markers = ""
+        if "enable_thinking" in self._template_text:
+            _, added_off = self._generation_prompt(head, tools, {"enable_thinking": False})
+            markers = added_off[len(added) :] if added_off.startswith(added) else ""
+        content = plain[-1].get("content")
+        text = (
+            content
+            if isinstance(content, str)
+            else "".join(part.get("text", "") for part in content or () if isinstance(part, dict))
+        )
+        return closed + added + markers + text
+
+    def _generation_prompt(
+        self, plain: list[dict[str, Any]], tools: list[dict[str, Any]] | None, extra: Mapping[str, Any] | None
+    ) -> tuple[str, str]:
+        """The prompt without a generation prompt, and the text after its common prefix with the prompt with one."""
+        closed = "".join(self._render(plain, tools=tools, add_generation_prompt=False, extra=extra))
+        opened = "".join(self._render(plain, tools=tools, add_generation_prompt=True, extra=extra))
+        common = next((i for i, (a, b) in enumerate(zip(closed, opened, strict=False)) if a != b), None)
+        return closed, opened[min(len(closed), len(opened)) if common is None else common :]
 
     # -- pieces ----------------------------------------------------------------------------------------------
     def freeze_tools(self, tools: ToolsLike) -> list[dict[str, Any]] | None:
@@ -303,7 +412,7 @@ class HFChatTemplateCounter:
             if last is not None and len(given) == len(last) and all(map(same_values, given, last)):
                 return last
             check_tools(given)
-            mine = _FrozenTools(copy.deepcopy(given))
+            mine = _FrozenTools(self.dialect.prepare_tools(copy.deepcopy(given)))
             FROZEN_JSON.register(mine)
             if last is not None:
                 FROZEN_JSON.unregister(last)
@@ -358,8 +467,11 @@ class HFChatTemplateCounter:
     def _view_one(self, message: Message) -> tuple[dict[str, Any], list[ContentPart]]:
         if self.view == "raw":
             return _template_message(message.to_dict()), []
-        data, media = server_view_message(message, content_format=self.content_format)
-        return _template_message(data), media
+        content_format = self.content_format
+        if self.dialect.string_content_stays and type(message.content) is str:
+            content_format = "string"
+        data, media = server_view_message(message, content_format=content_format)
+        return _template_message(self.dialect.prepare_message(data, message, self._template_text)), media
 
     def template_for(self, tools: Sequence[Any] | None) -> str:
         """The template source used for this call (a named ``tool_use`` template when tools are given)."""
@@ -382,13 +494,20 @@ class HFChatTemplateCounter:
         return "".join(self._render(plain, tools=tools, add_generation_prompt=add_generation_prompt))
 
     def _render(
-        self, plain: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+        self,
+        plain: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        extra: Mapping[str, Any] | None = None,
     ) -> list[str]:
         source = self.template_for(tools)
         template = compile_template(source)
         context = {
             **self.tokenizer.special_tokens_map,
+            **self.dialect.template_context(),
             **self.template_kwargs,
+            **(extra or {}),
             "messages": plain,
             "tools": tools,
             "documents": None,
@@ -398,6 +517,7 @@ class HFChatTemplateCounter:
             split = _split(source) if self.incremental else None
             self._renderers[source] = IncrementalRenderer(split) if split is not None else None
         renderer = self._renderers[source]
+        rules = JINJA_RULES.set(self._jinja)
         try:
             with bounded(self.template_limits):
                 if renderer is not None:
@@ -425,12 +545,16 @@ class HFChatTemplateCounter:
                 "It expects another message shape; check optional fields such as content=None or tool_calls.",
                 template_message=f"{type(exc).__name__}: {exc}",
             ) from exc
+        finally:
+            JINJA_RULES.reset(rules)
 
     def render(self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True) -> str:
         """The prompt text the template produces for ``messages`` (after the configured preprocessing)."""
-        conversation = self._conversation(messages)
-        plain, _ = self._view(conversation)
-        return self.render_view(plain, tools=self._tool_list(tools), add_generation_prompt=add_generation_prompt)
+        text = "".join(self._prompt(messages, tools, add_generation_prompt)[0])
+        bos = self.tokenizer.bos_token
+        if self.dialect.bos == "runtime" and bos and text.startswith(bos):
+            return text[len(bos) :]  # the server's text: its tokenizer adds the BOS
+        return text
 
     def count_text(self, text: str) -> int:
         """Tokens of an already-rendered prompt, no special tokens added."""
@@ -513,7 +637,9 @@ class HFChatTemplateCounter:
     def reference_count(
         self, messages: MessagesLike, *, tools: ToolsLike = None, add_generation_prompt: bool = True
     ) -> int:
-        """The slow, obvious count through ``tokenizer.apply_chat_template`` (for tests and audits)."""
+        """The slow, obvious count through ``tokenizer.apply_chat_template`` (for tests and audits) of the vLLM
+        view. A dialect's own rules (its server's Jinja engine, continuation, BOS) are checked against recordings
+        of that server instead (tests/test_dialects.py), and its fast path against ``incremental=False``."""
         conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
         plain, media = self._view(conversation)
         ids = self.tokenizer.apply_chat_template(

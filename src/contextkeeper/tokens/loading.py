@@ -9,11 +9,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .._exceptions import TokenizerNotFound
+from .._exceptions import ConfigurationError, TokenizerNotFound
+from ..dialects import Dialect, dialect_of
 from ._sandbox import TemplateLimits
 from .hf import ContentFormat, HFChatTemplateCounter, View
 from .media import MediaCost
 from .mistral import MistralCounter
+
+# Servers whose Mistral mode encodes with mistral-common, as MistralCounter does.
+MISTRAL_DIALECTS = frozenset({"vllm", "sglang", "openai"})
 
 __all__ = ["cache_dir", "load_counter", "load_hf_tokenizer"]
 
@@ -104,6 +108,7 @@ def load_counter(
     content_format: ContentFormat = "auto",
     media_cost: MediaCost | None = None,
     template_limits: TemplateLimits | None = None,
+    server: str | Dialect | None = None,
 ) -> HFChatTemplateCounter | MistralCounter:
     """A counter for ``spec``: ``mistral:<name>``, a tokenizer folder, a ``.gguf`` file, or a hub id.
 
@@ -116,6 +121,12 @@ def load_counter(
                 "mistral:<name> tokenizers encode with mistral-common's own chat encoder and take no chat_template; "
                 "drop chat_template, or load the model's Hugging Face tokenizer folder instead."
             )
+        if dialect_of(server).name not in MISTRAL_DIALECTS:
+            raise ConfigurationError(
+                f"mistral:<name> tokenizers count what mistral-common encodes (vLLM's and SGLang's Mistral mode); "
+                f"server={server!r} prepares prompts with a chat template. Fix: drop server=, or load the model's "
+                "Hugging Face tokenizer folder or GGUF file with server=..."
+            )
         return MistralCounter(spec.removeprefix("mistral:"), media_cost=media_cost)
     tokenizer = load_hf_tokenizer(spec)
     return HFChatTemplateCounter(
@@ -127,4 +138,5 @@ def load_counter(
         media_cost=media_cost,
         name=spec,
         template_limits=template_limits,
+        server=server,
     )

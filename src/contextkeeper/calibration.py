@@ -1,0 +1,199 @@
+"""Calibration: compare the keeper's counts with what a running server counts, probe by probe, and say why.
+
+Each probe is a small conversation aimed at one rule where servers differ (see docs/dialects.md). A server that
+renders and tokenizes on request (llama.cpp's ``/apply-template`` and ``/tokenize``) counts every probe without
+generating anything; each difference is reported with the rule its probe tests and the dialect setting that
+follows the server.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from ._exceptions import ConfigurationError, ContextKeeperError, TransportError
+
+__all__ = ["PROBES", "Calibration", "Probe", "ProbeResult", "calibrate"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Probe:
+    """One conversation that shows one rule."""
+
+    name: str
+    rule: str  # what a difference on this probe means
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeResult:
+    """What the keeper and the server counted for one probe."""
+
+    probe: str
+    rule: str
+    ours: int | None  # None: the keeper refuses the probe
+    server: int | None  # None: the server refused it
+    same_text: bool | None  # the rendered prompts equal (None where either side has none)
+    detail: str = ""  # the refusal, where one side refused
+
+    @property
+    def agrees(self) -> bool:
+        return self.ours == self.server
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Every probe's result against one server, for one dialect."""
+
+    url: str
+    dialect: str
+    results: tuple[ProbeResult, ...]
+
+    @property
+    def differences(self) -> tuple[ProbeResult, ...]:
+        return tuple(result for result in self.results if not result.agrees)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "dialect": self.dialect,
+            "agree": len(self.results) - len(self.differences),
+            "results": [{**result.__dict__, "agrees": result.agrees} for result in self.results],
+        }
+
+
+def _tool(**function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": function}
+
+
+_ASK = {"role": "user", "content": "Is the nightly export done?"}
+_LOOKUP = _tool(
+    name="lookup",
+    description="Look up an order.",
+    parameters={"type": "object", "properties": {"order": {"type": "string"}}, "required": ["order"]},
+)
+PROBES: tuple[Probe, ...] = (
+    Probe(name="plain", rule="the template or tokenizer itself", messages=(_ASK,)),
+    Probe(
+        name="developer-role",
+        rule="roles: developer mapped to system (llama.cpp) or passed as is (vLLM)",
+        messages=({"role": "developer", "content": "Be brief."}, _ASK),
+    ),
+    Probe(
+        name="tool-without-description",
+        rule="tool schemas: description and parameters filled in, keys reordered (llama.cpp)",
+        messages=(_ASK,),
+        tools=(_tool(name="ping"),),
+    ),
+    Probe(
+        name="tool-strict",
+        rule='tool schemas: "strict" and other extra keys dropped (llama.cpp)',
+        messages=(_ASK,),
+        tools=({**_LOOKUP, "function": {**_LOOKUP["function"], "strict": True}},),
+    ),
+    Probe(
+        name="whole-float-argument",
+        rule="tojson of a whole float: 1 (llama.cpp) or 1.0 (Python)",
+        messages=(
+            _ASK,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"n": 1.0}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "found"},
+        ),
+        tools=(_LOOKUP,),
+    ),
+    Probe(
+        name="decomposed-text",
+        rule="Unicode normalisation of the text (NFC applied by the tokenizer, or none: llama.cpp)",
+        messages=({"role": "user", "content": unicodedata.normalize("NFD", "Café, 한국어 텍스트, Ångström")},),
+    ),
+    Probe(
+        name="unicode-space-ends",
+        rule="trim: every Unicode space (Python) or ASCII only (llama.cpp)",
+        messages=({"role": "user", "content": "\u3000Is the export done?\u00a0"},),
+    ),
+    Probe(
+        name="final-assistant",
+        rule="a final assistant message answered (vLLM) or continued (llama.cpp)",
+        messages=(_ASK, {"role": "assistant", "content": "The export"}),
+    ),
+)
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return int(response.status), json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as error:
+        try:
+            return int(error.code), json.loads(error.read() or b"{}")
+        except ValueError:
+            return int(error.code), {}
+    except (urllib.error.URLError, OSError) as error:
+        raise TransportError(f"calibrate could not reach {url}: {error}. Fix: check the server's address") from error
+
+
+def root_url(target: Any) -> str:
+    """The server's root address from a URL or an openai client (its ``base_url`` without ``/v1``)."""
+    url = str(getattr(target, "base_url", target) or "").rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigurationError(f"calibrate needs an http(s) URL or an openai client, got {target!r}")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def calibrate(counter: Any, target: Any, *, timeout: float = 10.0) -> Calibration:
+    """Count every probe with ``counter`` and with the server at ``target`` (a URL or an openai client).
+
+    The server must render and tokenize on request (llama.cpp's ``/apply-template`` and ``/tokenize``); one
+    that cannot is a ConfigurationError naming the endpoints."""
+    url = root_url(target)
+    results = []
+    for probe in PROBES:
+        body: dict[str, Any] = {"messages": list(probe.messages)}
+        if probe.tools:
+            body["tools"] = list(probe.tools)
+        status, applied = _post(f"{url}/apply-template", body, timeout)
+        server: int | None = None
+        text: str | None = None
+        detail = ""
+        if status == 200 and isinstance(applied.get("prompt"), str):
+            text = applied["prompt"]
+            status, tokenized = _post(
+                f"{url}/tokenize", {"content": text, "add_special": True, "parse_special": True}, timeout
+            )
+            if status != 200 or not isinstance(tokenized.get("tokens"), list):
+                raise ConfigurationError(f"{url}/tokenize answered {status}; calibrate needs llama.cpp's /tokenize")
+            server = len(tokenized["tokens"])
+        elif status in (404, 405):
+            raise ConfigurationError(
+                f"{url} has no /apply-template (HTTP {status}); calibrate needs a server that renders and tokenizes "
+                "on request (llama.cpp's llama-server). Fix: calibrate against llama-server, or rely on the drift "
+                "the wrapped client learns"
+            )
+        else:
+            detail = f"server: {str(applied.get('error', applied))[:200]}"
+        ours: int | None = None
+        ours_text: str | None = None
+        try:
+            ours = counter.count(list(probe.messages), tools=list(probe.tools) or None)
+            render = getattr(counter, "render", None)
+            ours_text = render(list(probe.messages), tools=list(probe.tools) or None) if render else None
+        except ContextKeeperError as error:
+            detail = (detail + "; " if detail else "") + f"keeper: {str(error)[:200]}"
+        same = None if text is None or ours_text is None else text == ours_text
+        results.append(
+            ProbeResult(probe=probe.name, rule=probe.rule, ours=ours, server=server, same_text=same, detail=detail)
+        )
+    dialect = getattr(getattr(counter, "dialect", None), "name", "vllm")
+    return Calibration(url=url, dialect=str(dialect), results=tuple(results))

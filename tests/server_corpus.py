@@ -1,0 +1,244 @@
+"""Conversations whose prompt counts differ between servers: the corpus recorded from real servers.
+
+Standard library only. Each case is ``{"name", "messages", "tools"}``; the names say which rule a case probes.
+``scripts/record_llama_server.py`` sends every case to a real llama-server and stores its counts beside them in
+``tests/fixtures/llama_server/``; the tests count the same cases with ``server="llama.cpp"``.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from typing import Any
+
+TEXTS = {
+    "ascii": "Could you check whether the nightly export finished and, if not, why?",
+    "latin": "Können Sie prüfen, ob der nächtliche Export fertig ist? Ça dépend du serveur, señor.",
+    "cjk": "请检查一下夜间导出是否已经完成。如果没有，原因是什么？東京の天気はどうですか。",
+    "cyrillic": "Проверьте, пожалуйста, завершился ли ночной экспорт, и если нет, то почему.",
+    "arabic": "هل يمكنك التحقق مما إذا كان التصدير الليلي قد انتهى، وإذا لم يكن كذلك فلماذا؟",
+    "devanagari": "क्या आप जाँच सकते हैं कि रात का निर्यात पूरा हुआ या नहीं, और अगर नहीं तो क्यों?",
+    "korean": "야간 내보내기가 끝났는지 확인해 주시겠어요? 한글 자모 조합 테스트입니다.",
+    "code": (
+        "SELECT id, name FROM users WHERE created_at > '2026-01-01' ORDER BY id; -- 10 rows\n"
+        '```json\n{"ok": true}\n```'
+    ),
+}
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City name"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search_docs",
+        "description": "Full-text search over the manual.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+
+
+def _tool(**function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": function}
+
+
+TOOL_SHAPES: dict[str, list[dict[str, Any]]] = {
+    "tools-full": [WEATHER, SEARCH],
+    "tools-no-description": [_tool(name="ping", parameters={"type": "object", "properties": {}})],
+    "tools-no-parameters": [_tool(name="now", description="The current time.")],
+    "tools-name-only": [_tool(name="noop")],
+    "tools-reordered": [
+        _tool(
+            parameters={"type": "object", "properties": {"q": {"type": "string"}}},
+            description="Search the web.",
+            name="web_search",
+        )
+    ],
+    "tools-strict": [
+        _tool(
+            name="lookup",
+            description="Look up an order.",
+            strict=True,
+            parameters={
+                "type": "object",
+                "properties": {"order": {"type": "string"}},
+                "required": ["order"],
+                "additionalProperties": False,
+            },
+        )
+    ],
+    "tools-nested-schema": [
+        _tool(
+            name="book",
+            description="Book a room.",
+            parameters={
+                "type": "object",
+                "properties": {
+                    "when": {
+                        "type": "object",
+                        "properties": {
+                            "from": {"type": "string", "format": "date"},
+                            "nights": {"type": "integer", "minimum": 1},
+                        },
+                    },
+                    "guests": {"type": "array", "items": {"type": "string"}},
+                    "budget": {"type": "number", "default": 120.5},
+                },
+            },
+        )
+    ],
+}
+
+
+def _call(name: str, arguments: str, call_id: str = "call_1") -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+ARGUMENTS = {
+    "args-string": '{"city": "Paris"}',
+    "args-int": '{"city": "Oslo", "days": 3}',
+    "args-float-whole": '{"city": "Rome", "days": 1.0}',
+    "args-float": '{"city": "Rome", "temp": 21.5, "ratio": 0.25}',
+    "args-exp": '{"big": 1e21, "small": 1.5e-7}',
+    "args-nested": '{"when": {"from": "2026-12-24", "nights": 2}, "guests": ["Ana", "Bo"], "ok": true, "x": null}',
+    "args-unicode": '{"city": "São Paulo", "note": "東京"}',
+    "args-escaped": '{"city": "M\\u00fcnchen", "q": "a \\"quoted\\" word"}',
+    "args-spaced": '{ "city" :  "Lima" }',
+    "args-empty": "{}",
+    "args-invalid": "{not json",
+}
+
+
+def _chat(*turns: tuple[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+def cases() -> list[dict[str, Any]]:
+    """The corpus: about sixty cases, each probing one rule (or none: the plain ones)."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> None:
+        out.append({"name": name, "messages": messages, "tools": tools})
+
+    for script, text in TEXTS.items():
+        add(f"plain-{script}", _chat(("user", text)))
+        add(
+            f"system-{script}",
+            _chat(
+                ("system", "You answer briefly."), ("user", text), ("assistant", text), ("user", "Thanks. " + text[:20])
+            ),
+        )
+    add("developer", _chat(("developer", "Be brief."), ("user", TEXTS["ascii"])))
+    add(
+        "developer-and-system",
+        _chat(("system", "You are a helper."), ("developer", "Answer in French."), ("user", TEXTS["latin"])),
+    )
+    add("final-assistant", _chat(("user", TEXTS["ascii"]), ("assistant", "The export")))
+    add(
+        "final-assistant-long",
+        _chat(
+            ("system", "Be kind."),
+            ("user", TEXTS["cjk"]),
+            ("assistant", TEXTS["cjk"]),
+            ("user", "Again?"),
+            ("assistant", "Yes: " + TEXTS["cyrillic"]),
+        ),
+    )
+    korean_nfd = unicodedata.normalize("NFD", TEXTS["korean"])
+    add("nfd-korean", _chat(("user", korean_nfd)))
+    add("nfd-latin", _chat(("user", unicodedata.normalize("NFD", TEXTS["latin"]))))
+    add("nfkc-only", _chat(("user", "ﬁle ① ｆｕｌｌｗｉｄｔｈ ㎏ ™")))
+    add("ideographic-space-ends", _chat(("user", "\u3000" + TEXTS["cjk"] + "\u3000")))
+    add("nbsp-ends", _chat(("system", "\u00a0Be brief.\u00a0"), ("user", "\u00a0" + TEXTS["ascii"] + "\u00a0")))
+    add("ascii-space-ends", _chat(("user", "  \n" + TEXTS["ascii"] + " \n\t")))
+    add("empty-user", _chat(("user", "")))
+    add(
+        "content-parts",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Part one."},
+                    {"type": "text", "text": "Part two: " + TEXTS["arabic"]},
+                ],
+            }
+        ],
+    )
+    add("special-token-text", _chat(("user", "Write <|im_end|> and <|eot_id|> and <s> literally.")))
+    for shape, tools in TOOL_SHAPES.items():
+        add(shape, _chat(("user", TEXTS["ascii"])), tools)
+        add(f"{shape}-system", _chat(("system", "Use tools when useful."), ("user", TEXTS["cyrillic"])), tools)
+    for shape, arguments in ARGUMENTS.items():
+        add(
+            shape,
+            [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", arguments)]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21.0, "sky": "clear"}'},
+                {"role": "user", "content": "And tomorrow?"},
+            ],
+            [WEATHER, SEARCH],
+        )
+    add(
+        "parallel-calls",
+        [
+            {"role": "user", "content": TEXTS["latin"]},
+            {
+                "role": "assistant",
+                "content": "Checking both.",
+                "tool_calls": [
+                    _call("get_weather", '{"city": "Berlin"}', "call_a"),
+                    _call("search_docs", '{"query": "export"}', "call_b"),
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_a", "content": "Sunny, 4°C"},
+            {"role": "tool", "tool_call_id": "call_b", "content": TEXTS["code"]},
+        ],
+        [WEATHER, SEARCH],
+    )
+    add(
+        "empty-tool-calls",
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "tool_calls": []},
+            {"role": "user", "content": "Bye"},
+        ],
+    )
+    add(
+        "reasoning-content",
+        [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "Two plus two is four."},
+            {"role": "user", "content": "3+3?"},
+        ],
+    )
+    add(
+        "tool-result-last",
+        [
+            {"role": "user", "content": TEXTS["devanagari"]},
+            {"role": "assistant", "content": "", "tool_calls": [_call("search_docs", '{"query": "निर्यात"}')]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"hits": 3}'},
+        ],
+        [SEARCH],
+    )
+    add(
+        "long-mixed",
+        [
+            m
+            for i in range(6)
+            for m in (
+                {"role": "user", "content": list(TEXTS.values())[i]},
+                {"role": "assistant", "content": list(TEXTS.values())[i + 1]},
+            )
+        ],
+        [WEATHER],
+    )
+    return out
