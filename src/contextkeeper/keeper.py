@@ -19,7 +19,7 @@ from . import engine
 from ._exceptions import ConfigurationError, InvariantViolation, RequestTooLarge
 from .budget import Budget, Reserve
 from .calibration import Calibration, calibrate
-from .dialects import dialect_of
+from .dialects import Dialect, dialect_of
 from .messages import MessageLike
 from .policy import Policy, resolve_policy
 from .report import Fit, FitReport
@@ -79,8 +79,9 @@ class ContextKeeper:
             raise ConfigurationError(
                 "ContextKeeper needs tokenizer=... (a folder, .gguf file, hub id or mistral:<name>)"
             )
-        self.server = dialect_of(server)  # whose preprocessing the counts follow (vLLM's unless told)
         self.counter: TokenCounter = self._counter(tokenizer, chat_template, template_limits, server)
+        # Whose preprocessing the counts follow (vLLM's unless told): a ready counter's own where it has one.
+        self.server: Dialect = getattr(self.counter, "dialect", None) or dialect_of(server)
         self.name = str(getattr(self.counter, "name", tokenizer))
         self.model = None
         limits: list[tuple[int, str]] = []
