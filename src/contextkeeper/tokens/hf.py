@@ -13,7 +13,6 @@ from typing import Any, Literal
 import jinja2
 import jinja2.meta
 import jinja2.nodes
-import tokenizers
 
 from .._exceptions import ChatTemplateError, ConfigurationError, CountingError
 from .._memo import IdentityMemo, data_size, memoize, shared_prefix, shared_suffix
@@ -181,8 +180,10 @@ def _without_unicode_forms(tokenizer: Any) -> Any:
         data["normalizer"] = {"type": "Sequence", "normalizers": kept} if kept else None
     else:
         return tokenizer
+    from tokenizers import Tokenizer  # only here: the embedded default runs without the hf extras
+
     clone = copy.copy(tokenizer)
-    clone._tokenizer = tokenizers.Tokenizer.from_str(json.dumps(data))
+    clone._tokenizer = Tokenizer.from_str(json.dumps(data))
     return clone
 
 
