@@ -295,7 +295,8 @@ def test_calibrate_names_every_rule_a_vllm_count_misses_and_agrees_under_llamacp
         missed = {result.probe for result in report.differences}
         assert {"developer-role", "tool-without-description", "tool-strict", "final-assistant"} <= missed
         assert "plain" not in missed
-        assert all(result.rule for result in report.differences)
+        assert all(result.cause == result.rule for result in report.differences)
+        assert all(not result.cause for result in report.results if result.agrees)
         keeper = ck.ContextKeeper(
             str(assets.tokenizer_dir(vocab)), chat_template=template, context_window=4096, server="llama.cpp"
         )

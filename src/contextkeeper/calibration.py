@@ -12,7 +12,7 @@ import json
 import unicodedata
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ._exceptions import ConfigurationError, ContextKeeperError, TransportError
@@ -40,6 +40,7 @@ class ProbeResult:
     server: int | None  # None: the server refused it
     same_text: bool | None  # the rendered prompts equal (None where either side has none)
     detail: str = ""  # the refusal, where one side refused
+    cause: str = ""  # what the difference points to: the probe's rule, or what every probe shares ("" if none)
 
     @property
     def agrees(self) -> bool:
@@ -78,7 +79,11 @@ _LOOKUP = _tool(
     parameters={"type": "object", "properties": {"order": {"type": "string"}}, "required": ["order"]},
 )
 PROBES: tuple[Probe, ...] = (
-    Probe(name="plain", rule="the template or tokenizer itself", messages=(_ASK,)),
+    Probe(
+        name="plain",
+        rule="the template, the tokenizer or the BOS: the prompts differ even where no rule applies",
+        messages=(_ASK,),
+    ),
     Probe(
         name="developer-role",
         rule="roles: developer mapped to system (llama.cpp) or passed as is (vLLM)",
@@ -196,4 +201,24 @@ def calibrate(counter: Any, target: Any, *, timeout: float = 10.0) -> Calibratio
             ProbeResult(probe=probe.name, rule=probe.rule, ours=ours, server=server, same_text=same, detail=detail)
         )
     dialect = getattr(getattr(counter, "dialect", None), "name", "vllm")
-    return Calibration(url=url, dialect=str(dialect), results=tuple(results))
+    return Calibration(url=url, dialect=str(dialect), results=_causes(results))
+
+
+def _gap(result: ProbeResult) -> int | None:
+    return None if result.ours is None or result.server is None else result.server - result.ours
+
+
+def _causes(results: list[ProbeResult]) -> tuple[ProbeResult, ...]:
+    """Each difference's cause: the probe's own rule, unless the plain probe differs by just as much (then what
+    every prompt shares, such as a BOS, explains it)."""
+    shared = _gap(results[0]) if results and results[0].probe == "plain" else None
+    out = []
+    for result in results:
+        if result.agrees:
+            cause = ""
+        elif result.probe != "plain" and shared and _gap(result) == shared:
+            cause = f"the same difference as the plain probe ({shared:+d}): {results[0].rule}"
+        else:
+            cause = result.rule
+        out.append(replace(result, cause=cause))
+    return tuple(out)
