@@ -162,7 +162,10 @@ DIALECTS: dict[str, Dialect] = {
         replace(
             _LLAMACPP,
             name="ollama",
-            description="Ollama with a Jinja-compatible template on llama.cpp's engine (not verified)",
+            description=(
+                "Ollama: llama.cpp's engine and tokenizer; Ollama renders its own Go templates, so these are "
+                "llama.cpp's rules for the Jinja template you give (not verified against Ollama)"
+            ),
         ),
         Dialect(
             name="transformers",
