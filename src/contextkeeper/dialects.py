@@ -89,7 +89,7 @@ class Dialect:
             return tools
         out = []
         for tool in tools:
-            function = tool.get("function", tool) if isinstance(tool.get("function"), Mapping) else tool
+            function = tool["function"] if isinstance(tool.get("function"), Mapping) else tool
             out.append(
                 {
                     "type": "function",

@@ -244,17 +244,17 @@ class HFChatTemplateCounter:
         if not self.dialect.unicode_normalization:
             tokenizer = self.tokenizer = _without_unicode_forms(tokenizer)
         sources = [source] if isinstance(source, str) else list(source.values())
+        self._template_text = "\n".join(sources)
         for template_source in sources:
             _compile(template_source, self.name)
         self.content_format: Literal["string", "openai"] = (
-            detect_content_format("\n".join(sources)) if content_format == "auto" else content_format
+            detect_content_format(self._template_text) if content_format == "auto" else content_format
         )
         self.media_cost = media_cost_for(self.name, media_cost)
         # Both decided from what the template reads, not from one rendering: a template may read tools only in
         # some conversations (say, when there is a system message), and then it does not ignore them.
         variables = frozenset().union(*(_template_variables(t) for t in sources))
         self.renders_date = bool({"strftime_now", "date_string", "datetime"} & variables)
-        self._template_text = "\n".join(sources)
         # Whether the tokenizer puts a BOS before text of its own accord (a runtime that cuts the template's BOS then
         # adds one). Asked of the backend: calling the tokenizer would reset the caller's padding and truncation.
         self._adds_bos = self.dialect.bos == "runtime" and _adds_bos(tokenizer)
@@ -337,15 +337,10 @@ class HFChatTemplateCounter:
         the counter's copy of the tools."""
         plain, media = self._view(self._conversation(messages))
         tool_list = self._tool_list(tools)
-        segments = self._render(plain, tools=tool_list, add_generation_prompt=add_generation_prompt)
-        return self._server_segments(plain, tool_list, segments, add_generation_prompt), media, tool_list
+        return self._server_segments(plain, tool_list, add_generation_prompt), media, tool_list
 
     def _server_segments(
-        self,
-        plain: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        segments: list[str],
-        add_generation_prompt: bool,
+        self, plain: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
     ) -> list[str]:
         """The rendered prompt as the dialect's server tokenizes it (continuation, BOS)."""
         dialect = self.dialect
@@ -356,6 +351,8 @@ class HFChatTemplateCounter:
             and plain[-1]["role"] == "assistant"
         ):
             segments = [self._continuation(plain, tools)]
+        else:
+            segments = self._render(plain, tools=tools, add_generation_prompt=add_generation_prompt)
         if dialect.bos == "runtime" and self._adds_bos:
             bos = str(self.tokenizer.bos_token)
             # The server cuts a BOS the template wrote and its tokenizer adds one: one BOS either way.
