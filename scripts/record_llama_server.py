@@ -28,11 +28,15 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
 
 import assets  # noqa: E402
 import server_corpus  # noqa: E402
+from contextkeeper._http import request_json  # noqa: E402
 from tiny_gguf import tiny_model  # noqa: E402
 
 BINARY = ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"
 MODELS = ROOT / ".cache" / "llama.cpp" / "models"
 FIXTURES = ROOT / "tests" / "fixtures" / "llama_server"
+ANSWERS = ROOT / "tests" / "fixtures" / "detection" / "llama-server.json"
+# What server detection asks (src/contextkeeper/detection.py SIGNS), recorded as the server answered.
+ASKED = ("/v1/models", "/props", "/api/version", "/get_server_info", "/version")
 # vocabulary -> chat template (tokenizer folder = tests/assets.tokenizer_dir(vocab))
 PAIRS = {
     "qwen2": "Qwen-Qwen3-0.6B",
@@ -49,12 +53,8 @@ def _free_port() -> int:
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}")
+    status, answer = request_json(url, body, timeout=60, purpose="recording")
+    return status, answer if isinstance(answer, dict) else {}
 
 
 class LlamaServer:
@@ -124,6 +124,14 @@ class LlamaServer:
         out["prompt"] = applied.get("prompt") if status == 200 else None
         return out
 
+    def answers(self) -> dict[str, Any]:
+        """Every endpoint server detection asks, with the status and JSON the server answered."""
+        out = {}
+        for path in ASKED:
+            status, answer = request_json(self.url + path, None, timeout=10, purpose="recording")
+            out[path] = {"status": status, "json": answer}
+        return out
+
 
 def version() -> str:
     done = subprocess.run([str(BINARY), "--version"], capture_output=True, text=True, check=False)
@@ -133,6 +141,7 @@ def version() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(PAIRS), action="append")
+    parser.add_argument("--answers", action="store_true", help="record only what detection asks (first pair)")
     args = parser.parse_args()
     if not BINARY.exists():
         sys.exit(f"{BINARY} is missing: run `bash scripts/build_llama_server.sh` first")
@@ -144,6 +153,13 @@ def main() -> None:
             tiny_model(assets.gguf_file(vocab), model)
         template = assets.ASSETS / "templates" / f"{PAIRS[vocab]}.jinja"
         with LlamaServer(model, template) as server:
+            if args.answers:
+                ANSWERS.parent.mkdir(parents=True, exist_ok=True)
+                answers = {"server": f"llama-server {version()}", "recorded": dt.date.today().isoformat()}
+                answers["answers"] = server.answers()
+                ANSWERS.write_text(json.dumps(answers, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+                print(f"{ANSWERS.relative_to(ROOT)}: {len(ASKED)} endpoints")
+                return
             recorded = [server.record(case) for case in server_corpus.cases()]
         fixture = {
             "server": f"llama-server {version()}",

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
     from .backends import CallReport, DriftWarning
     from .budget import Reserve
     from .calibration import Calibration, Probe, ProbeResult, calibrate
+    from .detection import Detection, DetectionWarning, detect_server
     from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, profile
     from .diagnose import diagnose as doctor
     from .dialects import Dialect, dialect_of
@@ -86,6 +87,9 @@ _LAZY: dict[str, str] = {
     "calibrate": ".calibration",
     "Dialect": ".dialects",
     "dialect_of": ".dialects",
+    "Detection": ".detection",
+    "DetectionWarning": ".detection",
+    "detect_server": ".detection",
     "AdmissionTimeout": ".ledger",
     "Breakdown": ".tokens",
     "CacheUsage": "._memo",
@@ -181,6 +185,8 @@ __all__ = [
     "Conversation",
     "CountingError",
     "DetectedGPU",
+    "Detection",
+    "DetectionWarning",
     "Diagnosis",
     "Dialect",
     "DriftWarning",
@@ -237,6 +243,7 @@ __all__ = [
     "cache_usage",
     "calibrate",
     "detect_gpus",
+    "detect_server",
     "dialect_of",
     "doctor",
     "find_gpu",

@@ -8,14 +8,12 @@ follows the server.
 
 from __future__ import annotations
 
-import json
 import unicodedata
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ._exceptions import ConfigurationError, ContextKeeperError, TransportError
+from ._exceptions import ConfigurationError, ContextKeeperError
+from ._http import request_json, root_url
 
 __all__ = ["PROBES", "Calibration", "Probe", "ProbeResult", "calibrate"]
 
@@ -135,49 +133,31 @@ PROBES: tuple[Probe, ...] = (
 )
 
 
-def _post(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return int(response.status), json.loads(response.read() or b"{}")
-    except urllib.error.HTTPError as error:
-        try:
-            return int(error.code), json.loads(error.read() or b"{}")
-        except ValueError:
-            return int(error.code), {}
-    except (urllib.error.URLError, OSError) as error:
-        raise TransportError(f"calibrate could not reach {url}: {error}. Fix: check the server's address") from error
-
-
-def root_url(target: Any) -> str:
-    """The server's root address from a URL or an openai client (its ``base_url`` without ``/v1``)."""
-    url = str(getattr(target, "base_url", target) or "").rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise ConfigurationError(f"calibrate needs an http(s) URL or an openai client, got {target!r}")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
 def calibrate(counter: Any, target: Any, *, timeout: float = 10.0) -> Calibration:
     """Count every probe with ``counter`` and with the server at ``target`` (a URL or an openai client).
 
     The server must render and tokenize on request (llama.cpp's ``/apply-template`` and ``/tokenize``); one
     that cannot is a ConfigurationError naming the endpoints."""
-    url = root_url(target)
+    url = root_url(target, "calibrate")
     results = []
     for probe in PROBES:
         body: dict[str, Any] = {"messages": list(probe.messages)}
         if probe.tools:
             body["tools"] = list(probe.tools)
-        status, applied = _post(f"{url}/apply-template", body, timeout)
+        status, answer = request_json(f"{url}/apply-template", body, timeout=timeout, purpose="calibrate")
+        applied = answer if isinstance(answer, dict) else {}
         server: int | None = None
         text: str | None = None
         detail = ""
         if status == 200 and isinstance(applied.get("prompt"), str):
             text = applied["prompt"]
-            status, tokenized = _post(
-                f"{url}/tokenize", {"content": text, "add_special": True, "parse_special": True}, timeout
+            status, tokenized = request_json(
+                f"{url}/tokenize",
+                {"content": text, "add_special": True, "parse_special": True},
+                timeout=timeout,
+                purpose="calibrate",
             )
-            if status != 200 or not isinstance(tokenized.get("tokens"), list):
+            if status != 200 or not isinstance(tokenized, dict) or not isinstance(tokenized.get("tokens"), list):
                 raise ConfigurationError(f"{url}/tokenize answered {status}; calibrate needs llama.cpp's /tokenize")
             server = len(tokenized["tokens"])
         elif status in (404, 405):

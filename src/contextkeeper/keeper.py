@@ -11,15 +11,17 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import logging
 import time
+import warnings
 from collections.abc import Awaitable, Sequence
 from typing import Any, Literal, cast
 
 from . import engine
-from ._exceptions import ConfigurationError, InvariantViolation, RequestTooLarge
+from ._exceptions import ConfigurationError, InvariantViolation, RequestTooLarge, TransportError
 from .budget import Budget, Reserve
 from .calibration import Calibration, calibrate
-from .dialects import Dialect, dialect_of
+from .dialects import DIALECTS, Dialect, dialect_of
 from .messages import MessageLike
 from .policy import Policy, resolve_policy
 from .report import Fit, FitReport
@@ -29,6 +31,8 @@ from .tokens import TemplateLimits, TokenCounter, load_counter
 
 # The fit's types live in their own modules; importable from here as they always were.
 __all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge", "Reserve"]
+
+log = logging.getLogger("contextkeeper")
 
 
 async def _awaited(value: Awaitable[Any]) -> Any:
@@ -51,6 +55,8 @@ class ContextKeeper:
     the calls in flight already hold the KV capacity, which is ``kv_capacity`` tokens when given (a server's
     own figure, e.g. vLLM's "GPU KV cache size") or else planned from ``model`` and ``gpu`` at ``concurrency``;
     ``monitor`` (a :class:`~contextkeeper.diagnose.MemoryMonitor`) is sampled after every call.
+    ``server``: whose preprocessing counts follow (a name in :data:`~contextkeeper.dialects.DIALECTS`, default
+    vLLM's), or ``"auto"``: the first :meth:`wrap` of an openai client asks that server once which it is.
     """
 
     def __init__(
@@ -79,9 +85,13 @@ class ContextKeeper:
             raise ConfigurationError(
                 "ContextKeeper needs tokenizer=... (a folder, .gguf file, hub id or mistral:<name>)"
             )
-        self.counter: TokenCounter = self._counter(tokenizer, chat_template, template_limits, server)
+        # "auto": vLLM's rules until wrap() asks the server which it is (detection.py), then the dialect found.
+        self._auto = isinstance(server, str) and server.strip().lower() == "auto"
+        self._build = (tokenizer, chat_template, template_limits)
+        self.counter: TokenCounter = self._counter(tokenizer, chat_template, template_limits, server, self._auto)
         # Whose preprocessing the counts follow (vLLM's unless told): a ready counter's own where it has one.
-        self.server: Dialect = getattr(self.counter, "dialect", None) or dialect_of(server)
+        self.server: Dialect = getattr(self.counter, "dialect", None) or dialect_of(None if self._auto else server)
+        self.detection: Any = None  # what server="auto" found (a detection.Detection), after the first wrap
         self.name = str(getattr(self.counter, "name", tokenizer))
         self.model = None
         limits: list[tuple[int, str]] = []
@@ -151,14 +161,19 @@ class ContextKeeper:
 
     @staticmethod
     def _counter(
-        tokenizer: Any, chat_template: str | None, limits: TemplateLimits | None, server: str | None
+        tokenizer: Any,
+        chat_template: str | None,
+        limits: TemplateLimits | None,
+        server: str | None,
+        auto: bool = False,
     ) -> TokenCounter:
+        named = None if auto else server
         if isinstance(tokenizer, str):
-            return load_counter(tokenizer, chat_template=chat_template, template_limits=limits, server=server)
+            return load_counter(tokenizer, chat_template=chat_template, template_limits=limits, server=named)
         if hasattr(tokenizer, "apply_chat_template"):
             from .tokens import HFChatTemplateCounter
 
-            return HFChatTemplateCounter(tokenizer, chat_template=chat_template, template_limits=limits, server=server)
+            return HFChatTemplateCounter(tokenizer, chat_template=chat_template, template_limits=limits, server=named)
         if callable(getattr(tokenizer, "count", None)):
             if chat_template is not None or limits is not None or server is not None:
                 raise ConfigurationError(
@@ -257,7 +272,43 @@ class ContextKeeper:
         (seconds before the first transport retry), ``conversation`` (the transcript key)."""
         from .backends import wrap
 
+        if self._auto and self.detection is None and hasattr(client, "base_url"):
+            self._adopt(client)
         return wrap(self, client, **options)
+
+    def _adopt(self, client: Any) -> None:
+        """Ask the server behind ``client`` which it is (once), and count with its dialect from now on."""
+        from .detection import Detection, DetectionWarning, detect_server
+
+        try:
+            found = detect_server(client)
+        except TransportError as error:
+            found = Detection(url=str(client.base_url), server=None, evidence=str(error))
+        self.detection = found
+        if found.server is None:
+            warnings.warn(
+                f"server='auto': could not tell which server answers at {found.url} ({found.evidence}; asked "
+                f"{', '.join(found.asked) or 'nothing'}); counting with vLLM's preprocessing. Fix: "
+                f"ContextKeeper(..., server=one of {', '.join(DIALECTS)})",
+                DetectionWarning,
+                stacklevel=3,
+            )
+            return
+        if found.server == self.server.name:
+            return
+        try:
+            counter = self._counter(*self._build, found.server)
+        except ConfigurationError as error:  # e.g. a Mistral tokenizer behind llama.cpp's Jinja templates
+            warnings.warn(
+                f"server='auto' found {found.server} ({found.evidence}) but the keeper cannot count its way: {error}",
+                DetectionWarning,
+                stacklevel=3,
+            )
+            return
+        log.info("server='auto': %s at %s (%s)", found.server, found.url, found.evidence)
+        self.counter = counter
+        self.server = getattr(counter, "dialect", None) or dialect_of(found.server)
+        self._sessions = Sessions(self.counter, self.conversations)  # counts made the old way are not reused
 
     def _make_calls(self) -> Any:
         from .backends.calls import Calls
