@@ -35,6 +35,7 @@ BINARY = ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"
 MODELS = ROOT / ".cache" / "llama.cpp" / "models"
 FIXTURES = ROOT / "tests" / "fixtures" / "llama_server"
 ANSWERS = ROOT / "tests" / "fixtures" / "detection" / "llama-server.json"
+ENGINE = ROOT / "tests" / "fixtures" / "llama_engine.json"
 # What server detection asks (src/contextkeeper/detection.py SIGNS), recorded as the server answered.
 ASKED = ("/v1/models", "/props", "/api/version", "/get_server_info", "/version")
 # vocabulary -> chat template (tokenizer folder = tests/assets.tokenizer_dir(vocab))
@@ -138,15 +139,41 @@ def version() -> str:
     return next((line for line in (done.stdout + done.stderr).splitlines() if line.startswith("version")), "?")
 
 
+def record_engine() -> None:
+    """The server's render of every engine probe (server_corpus.ENGINE_TEMPLATE), with the qwen2 vocabulary."""
+    model = MODELS / "qwen2.gguf"
+    if not model.exists():
+        tiny_model(assets.gguf_file("qwen2"), model)
+    template = MODELS / "engine.jinja"
+    template.write_text(server_corpus.ENGINE_TEMPLATE, encoding="utf-8")
+    recorded = []
+    with LlamaServer(model, template, context=2048) as server:
+        for case in server_corpus.engine_cases():
+            status, applied = _post(f"{server.url}/apply-template", {"messages": case["messages"]})
+            recorded.append({**case, "prompt": applied.get("prompt") if status == 200 else None})
+    fixture = {
+        "server": f"llama-server {version()}",
+        "recorded": dt.date.today().isoformat(),
+        "vocab": "qwen2",
+        "cases": recorded,
+    }
+    ENGINE.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    print(f"{ENGINE.relative_to(ROOT)}: {len(recorded)} cases")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(PAIRS), action="append")
     parser.add_argument("--answers", action="store_true", help="record only what detection asks (first pair)")
+    parser.add_argument("--engine", action="store_true", help="record only the engine probes (our own template)")
     args = parser.parse_args()
     if not BINARY.exists():
         sys.exit(f"{BINARY} is missing: run `bash scripts/build_llama_server.sh` first")
     MODELS.mkdir(parents=True, exist_ok=True)
     FIXTURES.mkdir(parents=True, exist_ok=True)
+    if args.engine:
+        record_engine()
+        return
     for vocab in args.only or PAIRS:
         model = MODELS / f"{vocab}.gguf"
         if not model.exists():

@@ -242,3 +242,49 @@ def cases() -> list[dict[str, Any]]:
         [WEATHER],
     )
     return out
+
+
+# How llama.cpp's Jinja engine writes values and strips text, probed with a template of our own: every value a
+# tool call's arguments can hold, written by an output statement, after ``~`` and through ``string``, and every
+# way to strip a message's text. ``scripts/record_llama_server.py --engine`` records the server's render of each
+# case in tests/fixtures/llama_engine.json.
+ENGINE_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- for tc in m.tool_calls or [] -%}"
+    "{%- for k, v in tc.function.arguments | dictsort -%}"
+    "[{{ k }}={{ v }}|{{ 'c' ~ v }}|{{ v | string }}]"
+    "{%- endfor -%}"
+    "{%- endfor -%}"
+    "{%- if m.content is string -%}"
+    "<{{ m.content.strip() }}|{{ m.content.lstrip() }}|{{ m.content.rstrip() }}|{{ m.content | trim }}>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+ENGINE_VALUES = {
+    "floats": '{"a": 0.1234567, "b": 1e21, "c": 1.5e-7, "d": -0.0, "e": 2.5, "f": 1.0, "g": 123456.789}',
+    "ints": '{"a": 0, "b": -7, "c": 9007199254740993}',
+    "nulls": '{"a": null, "b": true, "c": false}',
+    "lists": '{"a": [1, "x", null, 2.5], "b": [], "c": [[1, 2], ["y"]]}',
+    "objects": '{"a": {"k": 1}, "b": {}, "c": [{"k": "v"}]}',
+    "strings": '{"a": "plain", "b": "", "c": "ünï 中文"}',
+}
+ENGINE_TEXTS = {
+    "ascii-space": "  \t padded text \n ",
+    "ideographic-space": "\u3000全角スペース\u3000",
+    "no-break-space": "\u00a0non-breaking\u00a0",
+    "mixed-space": " \u3000\u00a0\u2003mixed\u2003\u00a0\u3000 ",
+    "nothing": "",
+}
+
+
+def engine_cases() -> list[dict[str, Any]]:
+    """The engine probes: one per argument shape (a call and its result between two user messages) and one per text."""
+    out = []
+    for name, arguments in ENGINE_VALUES.items():
+        call = {"role": "assistant", "content": "", "tool_calls": [_call("f", arguments)]}
+        result = {"role": "tool", "tool_call_id": "call_1", "content": "r"}
+        messages = [{"role": "user", "content": "go"}, call, result, {"role": "user", "content": "ok"}]
+        out.append({"name": f"values-{name}", "messages": messages, "tools": None})
+    for name, text in ENGINE_TEXTS.items():
+        out.append({"name": f"strip-{name}", "messages": [{"role": "user", "content": text}], "tools": None})
+    return out

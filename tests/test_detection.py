@@ -30,6 +30,9 @@ from openai_server import ChatServer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA = json.loads((FIXTURES / "detection" / "llama-server.json").read_text(encoding="utf-8"))
+SERVE = json.loads(
+    (FIXTURES / "transformers_serve" / "answers" / "transformers-serve.json").read_text(encoding="utf-8")
+)
 QWEN = json.loads((FIXTURES / "llama_server" / "qwen2.json").read_text(encoding="utf-8"))
 
 
@@ -48,7 +51,7 @@ def _answering(answers: Mapping[str, dict[str, Any]]) -> Iterator[Answering]:
         def do_GET(self) -> None:
             asked.append(self.path)
             answer = answers.get(self.path, {"status": 404, "json": {"error": "not found"}})
-            data = json.dumps(answer["json"]).encode()
+            data = json.dumps(answer["json"]).encode() if "json" in answer else answer["body"].encode()
             self.send_response(answer["status"])
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -85,6 +88,13 @@ def test_the_recorded_llama_server_is_told_by_its_models_list() -> None:
         found = detect_server(url)
     assert (found.server, found.asked) == ("llama.cpp", ("/v1/models",))
     assert found.evidence == "GET /v1/models: owned_by 'llamacpp'"
+
+
+def test_the_recorded_transformers_serve_is_told_by_its_model_cards() -> None:
+    with _answering(SERVE["answers"]) as url:
+        found = detect_server(url)
+    assert (found.server, found.asked) == ("transformers", ("/v1/models",))
+    assert found.evidence == 'GET /v1/models: a model card with status {"value": "loaded"}'
 
 
 def test_a_llama_server_without_owned_by_is_told_by_its_props() -> None:

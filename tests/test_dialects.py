@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -20,17 +21,14 @@ import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError, CountingError, InvalidMessage
 from contextkeeper.dialects import DIALECTS, Dialect, dialect_of
 from contextkeeper.tokens import load_counter
-from server_corpus import cases
+from server_corpus import ENGINE_TEMPLATE, cases, engine_cases
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama_server"
 RECORDED = {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(FIXTURES.glob("*.json"))}
 # Where llama.cpp's C++ Jinja engine renders differently from Python's and no dialect rule follows it (yet); each
 # is listed in docs/dialects.md. strict: a case that starts to agree fails here, so the list stays true.
-ENGINE_DIFFERENCES = {
-    ("gemma-4", "args-exp"): "llama.cpp prints 1e21 as 1000000000000000000000.0 and 1.5e-07 as 0.0",
-    ("gemma-4", "args-nested"): "llama.cpp prints a null argument as an empty string, Python Jinja as None",
-    ("gemma-4", "parallel-calls"): "a namespace value set in the message loop reads differently after the loop",
-}
+ENGINE_DIFFERENCES: dict[tuple[str, str], str] = {}
+ENGINE = json.loads((Path(__file__).parent / "fixtures" / "llama_engine.json").read_text(encoding="utf-8"))
 
 
 def _context(fixture: dict[str, Any]) -> dict[str, str]:
@@ -87,6 +85,28 @@ def test_llamacpp_dialect_counts_what_llama_server_counted(vocab: str, case: dic
     assert (messages, tools) == (case["messages"], case["tools"])  # nothing the caller gave is changed
 
 
+@functools.cache
+def _engine_counter(server: str) -> Any:
+    return load_counter(str(assets.tokenizer_dir("qwen2")), chat_template=ENGINE_TEMPLATE, server=server)
+
+
+@pytest.mark.parametrize("case", ENGINE["cases"], ids=[case["name"] for case in ENGINE["cases"]])
+def test_values_and_stripped_text_are_written_as_llama_servers_engine_writes_them(case: dict[str, Any]) -> None:
+    # A template of our own writes every value an argument can hold ({{ v }}, 'c' ~ v, v | string) and strips text
+    # every way (strip, lstrip, rstrip, trim): the render equals what llama-server rendered.
+    assets.require_assets()
+    assert _engine_counter("llama.cpp").render(case["messages"]) == case["prompt"]
+    # ... and Python's engine writes some of them otherwise: the rules are what makes them equal.
+    plain = _engine_counter("transformers")
+    if case["name"] in ("values-floats", "values-nulls", "values-lists", "values-objects", "strip-mixed-space"):
+        assert plain.render(case["messages"]) != case["prompt"]
+
+
+def test_the_engine_recording_covers_every_probe() -> None:
+    assert [case["name"] for case in ENGINE["cases"]] == [case["name"] for case in engine_cases()]
+    assert all(case["prompt"] is not None for case in ENGINE["cases"])
+
+
 def test_the_default_dialect_is_vllm_and_counts_as_before() -> None:
     assets.require_assets()
     fixture = RECORDED["qwen2"]
@@ -137,10 +157,11 @@ def test_the_keeper_fits_with_the_server_dialect() -> None:
     assert fit.messages == case["messages"]  # the caller's own format: the role stays "developer"
 
 
-def test_the_transformers_dialect_is_the_raw_view() -> None:
+def test_the_transformers_dialect_is_the_serve_view() -> None:
+    # transformers serve's own preprocessing, not the raw view (tests/test_dialects_transformers.py checks its rules).
     assets.require_assets()
     counter = load_counter(str(assets.tokenizer_dir("qwen2")), server="transformers")
-    assert counter.view == "raw"
+    assert counter.view == "server"
 
 
 # ------------------------------------------------------------------------------------------------- live

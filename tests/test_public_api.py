@@ -109,6 +109,7 @@ ENGINE = "one fit's internals behind ContextKeeper.fit; what callers see is the 
 SESSION = "what a keeper keeps per conversation between fits (bounded by ContextKeeper(conversations=))"
 COUNTER_ABILITY = "an optional counter ability: a custom counter opts in by defining the method (no import)"
 INTERNAL: dict[str, str] = {
+    "contextkeeper.dialects.PromptEnd": "a part of a Dialect (what a server adds after one template family's prompt)",
     "contextkeeper.detection.Sign": "one entry of detection.SIGNS (an endpoint and its reading), for adding a sign",
     "contextkeeper.backends.Backend": BACKEND_API,
     "contextkeeper.backends.Failure": BACKEND_API,

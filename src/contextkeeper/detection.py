@@ -8,6 +8,7 @@ endpoints only one server has. Nothing is sent to a hosted API recognised by its
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,13 +53,19 @@ class Detection:
     asked: tuple[str, ...] = ()  # the endpoints asked, in order
 
 
-def _owner(answer: Any) -> tuple[str, str] | None:
+def _models(answer: Any) -> tuple[str, str] | None:
     cards = answer.get("data") if isinstance(answer, dict) else None
-    owners = {str(card.get("owned_by")) for card in cards or () if isinstance(card, dict)}
+    cards = [card for card in cards or () if isinstance(card, dict)]
+    owners = {str(card.get("owned_by")) for card in cards}
     found = {OWNERS[owner] for owner in owners if owner in OWNERS}
     if len(found) == 1:
         owner = next(o for o in owners if o in OWNERS)
         return next(iter(found)), f"owned_by {owner!r}"
+    # transformers serve's cards (cli/serving/model_manager.py) own by the model's organisation ("local" for a
+    # folder) and say whether the model is loaded: {"status": {"value": "loaded"}}
+    loaded = [card.get("status") for card in cards]
+    if not found and cards and all(isinstance(status, dict) and "value" in status for status in loaded):
+        return "transformers", "a model card with status " + json.dumps(cards[0]["status"])
     return None
 
 
@@ -86,7 +93,7 @@ def _server_info(answer: Any) -> tuple[str, str] | None:
 
 
 SIGNS: tuple[Sign, ...] = (
-    Sign(path="models", reads=_owner),
+    Sign(path="models", reads=_models),
     Sign(path="/props", reads=_props),
     Sign(path="/api/version", reads=_version_only("ollama")),  # Ollama's native API
     Sign(path="/get_server_info", reads=_server_info),

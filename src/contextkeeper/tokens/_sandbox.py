@@ -42,7 +42,7 @@ from typing import Any
 from jinja2 import Template, nodes
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.environment import TemplateModule
-from jinja2.runtime import LoopContext, Macro
+from jinja2.runtime import LoopContext, Macro, Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace, _PassArg, pass_context
 
@@ -60,6 +60,7 @@ __all__ = [
     "JinjaRules",
     "TemplateLimits",
     "bounded",
+    "c_value",
     "compile_template",
     "limits_of",
     "same_values",
@@ -870,8 +871,11 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
 
     ck_const = ck_out
 
+    # How ``~`` writes a part that is not a string (compile_template's ``values`` sets llama.cpp's).
+    concat_text: Callable[[Any], str] = staticmethod(str)
+
     def ck_concat(self, parts: tuple[Any, ...]) -> str:
-        texts = [part if type(part) is str else str(part) for part in parts]
+        texts = [part if type(part) is str else self.concat_text(part) for part in parts]
         budget = _CURRENT.get()
         if budget is not None:
             budget.size(sum(map(len, texts)), "'~'")
@@ -924,6 +928,15 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
         return result
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if (
+            type(__obj) is _BUILTIN_METHOD
+            and __obj.__name__ in _STRIPS
+            and not args
+            and "chars" not in kwargs
+            and type(__obj.__self__) is str
+            and JINJA_RULES.get().ascii_trim
+        ):
+            return __obj(_ASCII_SPACE)  # content.strip() on llama.cpp: C's isspace, as its trim filter
         budget = _CURRENT.get()
         if budget is None:
             return super().call(__context, __obj, *args, **kwargs)
@@ -1089,7 +1102,7 @@ class _ReferenceSandbox(_ChatSandbox):
 class JinjaRules:
     """Where a server's Jinja engine differs from Python's (llama.cpp's: C++ with nlohmann::json)."""
 
-    ascii_trim: bool = False  # ``trim`` strips ASCII whitespace only (C's isspace: U+00A0 and U+3000 stay)
+    ascii_trim: bool = False  # ``trim`` and ``str.strip()`` strip ASCII whitespace only (C's isspace: U+00A0 stays)
     whole_float_json: bool = False  # ``tojson`` writes a whole float as an integer (1.0 -> 1)
 
 
@@ -1097,6 +1110,61 @@ PYTHON_JINJA = JinjaRules()
 # The rules of the render running now (set by the counter around each render; compiled templates are shared).
 JINJA_RULES: contextvars.ContextVar[JinjaRules] = contextvars.ContextVar("contextkeeper_jinja", default=PYTHON_JINJA)
 _ASCII_SPACE = " \t\n\r\f\v"
+
+
+_STRIPS = frozenset({"strip", "lstrip", "rstrip"})
+
+
+def c_value(value: Any) -> str:
+    """What llama.cpp's Jinja engine writes for ``{{ value }}`` (common/jinja/runtime.h, value.h): a float as C's
+    ``%f`` without its trailing zeros (1e21 -> 1000000000000000000000.0, 1.5e-07 -> 0.0), a list as its items'
+    text joined, and None, undefined values and mappings as nothing; strings, ints and bools as Python writes
+    them."""
+    kind = type(value)
+    if kind is str or isinstance(value, str):
+        return value  # type: ignore[no-any-return]
+    if kind is bool or kind is int:
+        return str(value)
+    if kind is float:
+        text = f"{value:f}".rstrip("0")
+        return text + "0" if text.endswith(".") else text
+    if isinstance(value, (list, tuple)):
+        return "".join(c_value(item) for item in value)
+    return ""
+
+
+def c_concat(value: Any) -> str:
+    """What llama.cpp writes for a part of ``~`` that is not a string: a float as for ``{{ }}``, None and undefined
+    values as nothing, anything else as Python writes it."""
+    kind = type(value)
+    if kind is float:
+        return c_value(value)
+    if value is None or isinstance(value, Undefined):
+        return ""
+    return str(value)
+
+
+def _c_string(original: Callable[..., Any]) -> Callable[..., Any]:
+    def string(value: Any) -> Any:
+        # llama.cpp's string filter writes a float with C's %g (six significant digits: 1e+21, 123457, -0)
+        return f"{value:g}" if type(value) is float else original(value)
+
+    return string
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """Where a server's Jinja engine writes values otherwise than Python's (compile_template's ``values``)."""
+
+    finalize: Callable[[Any], Any] | None = None  # ``{{ value }}``
+    concat_text: Callable[[Any], str] = str  # a part of ``~``
+    string: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None  # the ``string`` filter, wrapped
+
+
+_ENGINES: dict[str, _Engine] = {
+    "python": _Engine(),
+    "llama.cpp": _Engine(finalize=c_value, concat_text=c_concat, string=_c_string),
+}
 
 
 def _ruled_trim(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1134,21 +1202,28 @@ _SANDBOXES: dict[bool, type[_ChatSandbox]] = {True: _ChatSandbox, False: _Refere
 
 
 @memoize("sandbox.templates", sizer=_template_size)
-def compile_template(source: str, settle_scans: bool = True) -> Template:
+def compile_template(source: str, settle_scans: bool = True, values: str = "python") -> Template:
     """Compile ``source`` in a sandbox configured exactly like transformers' chat-template environment, with
-    the bounds compiled in and (unless ``settle_scans`` is False) its settled scans stopped early. Raises what
-    Jinja raises (``TemplateSyntaxError`` and friends)."""
+    the bounds compiled in and (unless ``settle_scans`` is False) its settled scans stopped early. ``values``:
+    whose engine's way of writing a value ``{{ x }}`` follows ("python", or "llama.cpp": :func:`c_value`); pass
+    it by position, as the memo keys by position. Raises what Jinja raises (``TemplateSyntaxError`` and
+    friends)."""
     reference = _reference_environment()
     env = _SANDBOXES[settle_scans](
         trim_blocks=reference.trim_blocks,
         lstrip_blocks=reference.lstrip_blocks,
         extensions=[type(ext) for ext in reference.extensions.values()],
+        finalize=_ENGINES[values].finalize,
     )
+    engine = _ENGINES[values]
+    env.concat_text = engine.concat_text
     env.filters.update(reference.filters)
     if "tojson" in env.filters:
         env.filters["tojson"] = FROZEN_JSON.wrap(_ruled_tojson(env.filters["tojson"]))
     if "trim" in env.filters:
         env.filters["trim"] = _ruled_trim(env.filters["trim"])
+    if engine.string is not None and "string" in env.filters:
+        env.filters["string"] = engine.string(env.filters["string"])
     for name, check in _FILTER_CHECKS.items():
         if name in env.filters:
             env.filters[name] = _bounded_filter(env.filters[name], check)

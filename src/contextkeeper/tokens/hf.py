@@ -92,11 +92,22 @@ def _split_size(key: Any, split: Any) -> int:
     return 128 * len(key[0]) + 128 * 1024
 
 
+def _ends_with(segments: list[str], suffix: str) -> bool:
+    """Whether the joined ``segments`` end with ``suffix`` (joining only the last few)."""
+    tail = ""
+    for segment in reversed(segments):
+        tail = segment + tail
+        if len(tail) >= len(suffix):
+            break
+    return tail.endswith(suffix)
+
+
 @memoize("hf.split_templates", sizer=_split_size)
-def _split(source: str) -> SplitTemplate | None:
-    """The template cut at its message loop (see ``split_template``), compiled once per source and process, like
-    the template itself: counters of the same template (a keeper's main and side counters) share it."""
-    return split_template(compile_template(source), source)
+def _split(source: str, values: str = "python") -> SplitTemplate | None:
+    """The template cut at its message loop (see ``split_template``), compiled once per source, engine and
+    process, like the template itself: counters of the same template (a keeper's main and side counters) share
+    it."""
+    return split_template(compile_template(source, True, values), source)
 
 
 def _parse(source: str) -> jinja2.nodes.Template:
@@ -245,6 +256,7 @@ class HFChatTemplateCounter:
             tokenizer = self.tokenizer = _without_unicode_forms(tokenizer)
         sources = [source] if isinstance(source, str) else list(source.values())
         self._template_text = "\n".join(sources)
+        self._prompt_ends = tuple(end for end in self.dialect.prompt_ends if end.template_holds in self._template_text)
         for template_source in sources:
             _compile(template_source, self.name)
         self.content_format: Literal["string", "openai"] = (
@@ -272,7 +284,7 @@ class HFChatTemplateCounter:
         self._renderers: dict[str, IncrementalRenderer | None] = {}
         if incremental:
             for template_source in sources:
-                _split(template_source)  # compiled now, once per process, rather than on the first count
+                _split(template_source, self.dialect.jinja_values)  # now, once per process, not on a first count
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._pieces = PieceCounter(backend) if backend is not None else None
         if self._pieces is not None:
@@ -335,7 +347,11 @@ class HFChatTemplateCounter:
     ) -> tuple[list[str], list[tuple[int, ContentPart]], list[dict[str, Any]] | None]:
         """The rendered prompt (in segments, see ``IncrementalRenderer.render_segments``), the non-text parts and
         the counter's copy of the tools."""
-        plain, media = self._view(self._conversation(messages))
+        conversation = self._conversation(messages)
+        plain, media = self._view(conversation)
+        plain = self.dialect.prepare_conversation(
+            plain, conversation.messages, self._template_text, add_generation_prompt
+        )
         tool_list = self._tool_list(tools)
         return self._server_segments(plain, tool_list, add_generation_prompt), media, tool_list
 
@@ -353,6 +369,9 @@ class HFChatTemplateCounter:
             segments = [self._continuation(plain, tools)]
         else:
             segments = self._render(plain, tools=tools, add_generation_prompt=add_generation_prompt)
+            for end in self._prompt_ends if add_generation_prompt else ():
+                if _ends_with(segments, end.prompt_ends):
+                    segments = [*segments, end.append]
         if dialect.bos == "runtime" and self._adds_bos:
             bos = str(self.tokenizer.bos_token)
             # The server cuts a BOS the template wrote and its tokenizer adds one: one BOS either way.
@@ -500,7 +519,7 @@ class HFChatTemplateCounter:
         extra: Mapping[str, Any] | None = None,
     ) -> list[str]:
         source = self.template_for(tools)
-        template = compile_template(source)
+        template = compile_template(source, True, self.dialect.jinja_values)
         context = {
             **self.tokenizer.special_tokens_map,
             **self.dialect.template_context(),
@@ -512,7 +531,7 @@ class HFChatTemplateCounter:
             "add_generation_prompt": add_generation_prompt,
         }
         if source not in self._renderers:
-            split = _split(source) if self.incremental else None
+            split = _split(source, self.dialect.jinja_values) if self.incremental else None
             self._renderers[source] = IncrementalRenderer(split) if split is not None else None
         renderer = self._renderers[source]
         rules = JINJA_RULES.set(self._jinja)
@@ -640,9 +659,12 @@ class HFChatTemplateCounter:
         of that server instead (tests/test_dialects.py), and its fast path against ``incremental=False``."""
         conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
         plain, media = self._view(conversation)
+        plain = self.dialect.prepare_conversation(
+            plain, conversation.messages, self._template_text, add_generation_prompt
+        )
         ids = self.tokenizer.apply_chat_template(
             plain,
-            tools=[dict(t) for t in tools] if tools else None,
+            tools=self.dialect.prepare_tools(copy.deepcopy([dict(t) for t in tools])) if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,
