@@ -36,6 +36,7 @@ MODELS = ROOT / ".cache" / "llama.cpp" / "models"
 FIXTURES = ROOT / "tests" / "fixtures" / "llama_server"
 ANSWERS = ROOT / "tests" / "fixtures" / "detection" / "llama-server.json"
 ENGINE = ROOT / "tests" / "fixtures" / "llama_engine.json"
+CONTINUATION = ROOT / "tests" / "fixtures" / "llama_continuation.json"
 # What server detection asks (src/contextkeeper/detection.py SIGNS), recorded as the server answered.
 ASKED = ("/v1/models", "/props", "/api/version", "/get_server_info", "/version")
 # vocabulary -> chat template (tokenizer folder = tests/assets.tokenizer_dir(vocab))
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(PAIRS), action="append")
     parser.add_argument("--answers", action="store_true", help="record only what detection asks (first pair)")
     parser.add_argument("--engine", action="store_true", help="record only the engine probes (our own template)")
+    parser.add_argument("--continuation", action="store_true", help="record only the reasoning continuations")
     args = parser.parse_args()
     if not BINARY.exists():
         sys.exit(f"{BINARY} is missing: run `bash scripts/build_llama_server.sh` first")
@@ -174,12 +176,19 @@ def main() -> None:
     if args.engine:
         record_engine()
         return
+    continued: dict[str, Any] = {}
     for vocab in args.only or PAIRS:
         model = MODELS / f"{vocab}.gguf"
         if not model.exists():
             tiny_model(assets.gguf_file(vocab), model)
         template = assets.ASSETS / "templates" / f"{PAIRS[vocab]}.jinja"
         with LlamaServer(model, template) as server:
+            if args.continuation:
+                continued[vocab] = {
+                    "template": PAIRS[vocab],
+                    "cases": [server.record(case) for case in server_corpus.continuation_cases()],
+                }
+                continue
             if args.answers:
                 ANSWERS.parent.mkdir(parents=True, exist_ok=True)
                 answers = {"server": f"llama-server {version()}", "recorded": dt.date.today().isoformat()}
@@ -202,6 +211,10 @@ def main() -> None:
             f"{path.relative_to(ROOT)}: {len(recorded)} cases, "
             f"{sum(case['prompt_tokens'] is None for case in recorded)} refused"
         )
+    if continued:
+        fixture = {"server": f"llama-server {version()}", "recorded": dt.date.today().isoformat(), "pairs": continued}
+        CONTINUATION.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        print(f"{CONTINUATION.relative_to(ROOT)}: {sum(len(p['cases']) for p in continued.values())} cases")
 
 
 if __name__ == "__main__":

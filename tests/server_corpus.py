@@ -288,3 +288,17 @@ def engine_cases() -> list[dict[str, Any]]:
     for name, text in ENGINE_TEXTS.items():
         out.append({"name": f"strip-{name}", "messages": [{"role": "user", "content": text}], "tools": None})
     return out
+
+
+def continuation_cases() -> list[dict[str, Any]]:
+    """A final assistant message the server continues, with reasoning: only reasoning (the block stays open),
+    reasoning and content, and empty reasoning. ``scripts/record_llama_server.py --continuation`` records them in
+    tests/fixtures/llama_continuation.json."""
+    ask = {"role": "user", "content": TEXTS["ascii"]}
+    shapes = {
+        "reasoning-only": {"content": "", "reasoning_content": "The export runs at 02:00; check its log first."},
+        "reasoning-and-content": {"content": "It finished", "reasoning_content": "Look at the log.\nThen answer."},
+        "reasoning-empty": {"content": "It finished", "reasoning_content": ""},
+        "reasoning-cjk": {"content": TEXTS["cjk"][:12], "reasoning_content": TEXTS["cjk"][12:]},
+    }
+    return [{"name": n, "messages": [ask, {"role": "assistant", **s}], "tools": None} for n, s in shapes.items()]

@@ -92,6 +92,16 @@ def _split_size(key: Any, split: Any) -> int:
     return 128 * len(key[0]) + 128 * 1024
 
 
+def _reasoning_tags(markers: str) -> tuple[str, str]:
+    """An empty reasoning block cut into its opening and its closing: the opening ends at its first line break
+    when that comes before the next tag ("<think>\n" + "\n</think>\n\n"), else at the next tag ("<think>" +
+    "</think>"), as llama.cpp's reasoning markers read."""
+    tag = markers.find("<", 1)
+    line = markers.find("\n")
+    cut = line + 1 if line != -1 and (tag == -1 or line < tag) else tag
+    return (markers[:cut], markers[cut:]) if cut > 0 else (markers, "")
+
+
 def _ends_with(segments: list[str], suffix: str) -> bool:
     """Whether the joined ``segments`` end with ``suffix`` (joining only the last few)."""
     tail = ""
@@ -383,7 +393,9 @@ class HFChatTemplateCounter:
         """The prompt of a server that continues the final assistant message, as llama.cpp builds it: the earlier
         messages without a generation prompt, then what a generation prompt adds to them (the text after the
         two renders' common prefix, which for some templates starts inside a special token, as the server's
-        does), the empty reasoning block a thinking template writes when thinking is off, and the content."""
+        does), the reasoning block a thinking template writes (empty when the message has no
+        ``reasoning_content``; left open when it has reasoning and no content, which the server then continues),
+        and the content."""
         head = plain[:-1]
         closed, added = self._generation_prompt(head, tools, None)
         markers = ""
@@ -396,6 +408,12 @@ class HFChatTemplateCounter:
             if isinstance(content, str)
             else "".join(part.get("text", "") for part in content or () if isinstance(part, dict))
         )
+        reasoning = plain[-1].get("reasoning_content")
+        if markers and isinstance(reasoning, str) and reasoning:
+            opening, closing = _reasoning_tags(markers)
+            if not content:  # only reasoning: the server continues it, inside the open block
+                return closed + added + opening + reasoning
+            return closed + added + opening + reasoning + closing + text
         return closed + added + markers + text
 
     def _generation_prompt(
@@ -543,12 +561,18 @@ class HFChatTemplateCounter:
         except CountingError:
             raise  # a bound the sandbox enforced, or a refusal it worded: already clear
         except jinja2.TemplateError as exc:
-            raise ChatTemplateError(
+            rejected = ChatTemplateError(
                 f"the chat template of {self.name} rejected these messages: {str(exc).rstrip('.!')}. This model's "
                 "template does not accept this conversation shape; change the messages (for example merge system "
                 "messages or alternate user/assistant), or pass another chat_template.",
                 template_message=str(exc),
-            ) from exc
+            )
+            # What fix_text() gives, as the message words it without a "Fix:" marker.
+            rejected.fix = (
+                "change the messages (for example merge system messages or alternate user/assistant), or pass "
+                "another chat_template"
+            )
+            raise rejected from exc
         except RecursionError as exc:
             raise ChatTemplateError(
                 f"the chat template of {self.name} recursed deeper than Python's stack allows. Fix: lower "
