@@ -30,6 +30,7 @@ from openai_server import ChatServer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA = json.loads((FIXTURES / "detection" / "llama-server.json").read_text(encoding="utf-8"))
+VLLM = json.loads((FIXTURES / "detection" / "vllm.json").read_text(encoding="utf-8"))
 SERVE = json.loads(
     (FIXTURES / "transformers_serve" / "answers" / "transformers-serve.json").read_text(encoding="utf-8")
 )
@@ -97,6 +98,17 @@ def test_the_recorded_transformers_serve_is_told_by_its_model_cards() -> None:
     assert found.evidence == 'GET /v1/models: a model card with status {"value": "loaded"}'
 
 
+def test_the_recorded_vllm_is_told_by_its_models_list_and_by_its_version() -> None:
+    with _answering(VLLM["answers"]) as url:
+        found = detect_server(url)
+    assert (found.server, found.evidence) == ("vllm", "GET /v1/models: owned_by 'vllm'")
+    answers = copy.deepcopy(VLLM["answers"])
+    del answers["/v1/models"]
+    with _answering(answers) as url:
+        found = detect_server(url)
+    assert (found.server, found.asked[-1], found.evidence) == ("vllm", "/version", "GET /version: version 0.33.0")
+
+
 def test_a_llama_server_without_owned_by_is_told_by_its_props() -> None:
     answers = copy.deepcopy(LLAMA["answers"])
     for card in answers["/v1/models"]["json"]["data"]:
@@ -148,10 +160,10 @@ def test_a_hosted_api_is_told_by_its_address_without_a_request() -> None:
 
 def test_auto_counts_for_the_llama_server_it_wraps() -> None:
     assets.require_assets()
-    developer = next(case for case in QWEN["cases"] if case["name"] == "developer")
+    decomposed = next(case for case in QWEN["cases"] if case["name"] == "nfd-latin")
     keeper = _keeper(server="auto")
     assert keeper.server.name == "vllm"  # until it has asked
-    assert keeper.counter.count(developer["messages"]) != developer["prompt_tokens"]
+    assert keeper.counter.count(decomposed["messages"]) != decomposed["prompt_tokens"]
     with _answering(LLAMA["answers"]) as url, warnings.catch_warnings():
         warnings.simplefilter("error")
         keeper.wrap(openai.OpenAI(base_url=url, api_key="secret", max_retries=0))
@@ -160,8 +172,8 @@ def test_auto_counts_for_the_llama_server_it_wraps() -> None:
     assert keeper.counter.dialect.name == "llama.cpp"  # type: ignore[attr-defined]
     assert keeper.detection.evidence == "GET /v1/models: owned_by 'llamacpp'"
     assert asked == ["/v1/models"]
-    # the count llama-server made of this conversation (recorded), where vLLM's rules count 10 fewer
-    assert keeper.fit(developer["messages"]).report.tokens == developer["prompt_tokens"]
+    # the count llama-server made of this NFD text (recorded), where vLLM's rules (NFC) count 13 fewer
+    assert keeper.fit(decomposed["messages"]).report.tokens == decomposed["prompt_tokens"]
 
 
 def test_auto_asks_once_and_a_named_server_never_asks() -> None:
@@ -229,3 +241,32 @@ def test_auto_against_a_live_llama_server_counts_what_it_counts() -> None:
             reply = client.chat.completions.create(model="m", messages=case["messages"], max_tokens=1)
     assert keeper.server.name == "llama.cpp"
     assert reply.usage.prompt_tokens == keeper.last_fit.report.tokens  # type: ignore[union-attr]
+
+
+@pytest.mark.server
+def test_auto_and_calibrate_against_a_live_vllm_render_server() -> None:
+    from vllm_render import VllmRender, tiny_model, vllm_python
+
+    python = vllm_python()
+    if python is None:
+        pytest.skip("no vLLM environment: set CK_VLLM_PYTHON (see docs/dialects.md)")
+    with VllmRender(python, tiny_model("qwen2")) as server:
+        keeper = _keeper(server="auto")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            keeper.wrap(openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0))
+        assert (keeper.server.name, keeper.detection.evidence) == ("vllm", "GET /v1/models: owned_by 'vllm'")
+        report = keeper.calibrate(server.url)  # vLLM's /tokenize with messages
+        llama = _keeper(server="llama.cpp").calibrate(server.url)
+    assert report.differences == ()
+    assert {r.probe for r in llama.differences} >= {"tool-strict", "decomposed-text", "final-assistant"}
+    assert all(r.cause == r.rule for r in llama.differences)
+
+
+def test_calibrate_names_the_endpoints_a_server_lacks() -> None:
+    assets.require_assets()
+    keeper = _keeper()
+    with ChatServer(assets.tokenizer_dir("qwen2"), chat_template=assets.template(QWEN["template"])) as server:
+        message = r"counts no chat request on request \(asked: llama\.cpp /apply-template \+ /tokenize, vLLM /tokenize"
+        with pytest.raises(ConfigurationError, match=message):
+            keeper.calibrate(server.base_url)

@@ -1,14 +1,15 @@
 """Calibration: compare the keeper's counts with what a running server counts, probe by probe, and say why.
 
 Each probe is a small conversation aimed at one rule where servers differ (see docs/dialects.md). A server that
-renders and tokenizes on request (llama.cpp's ``/apply-template`` and ``/tokenize``) counts every probe without
-generating anything; each difference is reported with the rule its probe tests and the dialect setting that
-follows the server.
+counts a chat request on request (llama.cpp's ``/apply-template`` and ``/tokenize``; vLLM's ``/tokenize`` with
+messages) counts every probe without generating anything; each difference is reported with the rule its probe
+tests and the dialect setting that follows the server.
 """
 
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -133,41 +134,91 @@ PROBES: tuple[Probe, ...] = (
 )
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Counted:
+    """What a server counted for one probe: its tokens and prompt text (None where it gives none), or its refusal."""
+
+    tokens: int | None
+    text: str | None = None
+    refusal: str = ""
+
+
+class _NotHere(Exception):
+    """The server has no such endpoint (HTTP 404/405): try the next way."""
+
+
+def _llamacpp(url: str, body: dict[str, Any], timeout: float) -> _Counted:
+    # llama-server: /apply-template renders the chat request as /v1/chat/completions would; /tokenize counts it
+    status, answer = request_json(f"{url}/apply-template", body, timeout=timeout, purpose="calibrate")
+    if status in (404, 405):
+        raise _NotHere
+    applied = answer if isinstance(answer, dict) else {}
+    if status != 200 or not isinstance(applied.get("prompt"), str):
+        return _Counted(tokens=None, refusal=str(applied.get("error", applied))[:200])
+    text = applied["prompt"]
+    status, tokenized = request_json(
+        f"{url}/tokenize",
+        {"content": text, "add_special": True, "parse_special": True},
+        timeout=timeout,
+        purpose="calibrate",
+    )
+    if status != 200 or not isinstance(tokenized, dict) or not isinstance(tokenized.get("tokens"), list):
+        raise ConfigurationError(f"{url}/tokenize answered {status}; calibrate needs llama.cpp's /tokenize")
+    return _Counted(tokens=len(tokenized["tokens"]), text=text)
+
+
+def _tokenize_messages(url: str, body: dict[str, Any], timeout: float) -> _Counted:
+    # vLLM (vllm/entrypoints/serve/tokenize: TokenizeChatRequest): /tokenize takes the chat request's messages and
+    # tools and prepares them as /v1/chat/completions does (a generation prompt added by default)
+    status, answer = request_json(
+        f"{url}/tokenize", {**body, "add_generation_prompt": True}, timeout=timeout, purpose="calibrate"
+    )
+    if status in (404, 405):
+        raise _NotHere
+    tokenized = answer if isinstance(answer, dict) else {}
+    if status == 200 and isinstance(tokenized.get("count"), int):
+        return _Counted(tokens=tokenized["count"])
+    if status == 200 and isinstance(tokenized.get("tokens"), list):
+        return _Counted(tokens=len(tokenized["tokens"]))
+    if status == 200:  # a /tokenize that does not take messages (llama.cpp's takes "content")
+        raise _NotHere
+    error = tokenized.get("error", tokenized.get("message", tokenized))
+    return _Counted(tokens=None, refusal=str(error)[:200])
+
+
+# The ways a server counts a chat request on request, tried in order until one is there (no text is generated).
+WAYS: tuple[tuple[str, Callable[[str, dict[str, Any], float], _Counted]], ...] = (
+    ("llama.cpp /apply-template + /tokenize", _llamacpp),
+    ("vLLM /tokenize with messages", _tokenize_messages),
+)
+
+
 def calibrate(counter: Any, target: Any, *, timeout: float = 10.0) -> Calibration:
     """Count every probe with ``counter`` and with the server at ``target`` (a URL or an openai client).
 
-    The server must render and tokenize on request (llama.cpp's ``/apply-template`` and ``/tokenize``); one
-    that cannot is a ConfigurationError naming the endpoints."""
+    The server must count a chat request on request (:data:`WAYS`: llama.cpp's ``/apply-template`` and
+    ``/tokenize``, vLLM's ``/tokenize`` with messages); one that cannot is a ConfigurationError naming the
+    endpoints."""
     url = root_url(target, "calibrate")
+    ways = list(WAYS)
     results = []
     for probe in PROBES:
         body: dict[str, Any] = {"messages": list(probe.messages)}
         if probe.tools:
             body["tools"] = list(probe.tools)
-        status, answer = request_json(f"{url}/apply-template", body, timeout=timeout, purpose="calibrate")
-        applied = answer if isinstance(answer, dict) else {}
-        server: int | None = None
-        text: str | None = None
-        detail = ""
-        if status == 200 and isinstance(applied.get("prompt"), str):
-            text = applied["prompt"]
-            status, tokenized = request_json(
-                f"{url}/tokenize",
-                {"content": text, "add_special": True, "parse_special": True},
-                timeout=timeout,
-                purpose="calibrate",
-            )
-            if status != 200 or not isinstance(tokenized, dict) or not isinstance(tokenized.get("tokens"), list):
-                raise ConfigurationError(f"{url}/tokenize answered {status}; calibrate needs llama.cpp's /tokenize")
-            server = len(tokenized["tokens"])
-        elif status in (404, 405):
-            raise ConfigurationError(
-                f"{url} has no /apply-template (HTTP {status}); calibrate needs a server that renders and tokenizes "
-                "on request (llama.cpp's llama-server). Fix: calibrate against llama-server, or rely on the drift "
-                "the wrapped client learns"
-            )
-        else:
-            detail = f"server: {str(applied.get('error', applied))[:200]}"
+        counted = None
+        while counted is None:
+            if not ways:
+                raise ConfigurationError(
+                    f"{url} counts no chat request on request (asked: {', '.join(name for name, _ in WAYS)}); "
+                    "calibrate needs llama.cpp's llama-server or vLLM. Fix: calibrate against one of those, or rely "
+                    "on the drift the wrapped client learns"
+                )
+            try:
+                counted = ways[0][1](url, body, timeout)
+            except _NotHere:
+                ways.pop(0)  # the next way, for this probe and the rest
+        detail = f"server: {counted.refusal}" if counted.tokens is None else ""
         ours: int | None = None
         ours_text: str | None = None
         try:
@@ -176,9 +227,11 @@ def calibrate(counter: Any, target: Any, *, timeout: float = 10.0) -> Calibratio
             ours_text = render(list(probe.messages), tools=list(probe.tools) or None) if render else None
         except ContextKeeperError as error:
             detail = (detail + "; " if detail else "") + f"keeper: {str(error)[:200]}"
-        same = None if text is None or ours_text is None else text == ours_text
+        same = None if counted.text is None or ours_text is None else counted.text == ours_text
         results.append(
-            ProbeResult(probe=probe.name, rule=probe.rule, ours=ours, server=server, same_text=same, detail=detail)
+            ProbeResult(
+                probe=probe.name, rule=probe.rule, ours=ours, server=counted.tokens, same_text=same, detail=detail
+            )
         )
     dialect = getattr(getattr(counter, "dialect", None), "name", "vllm")
     return Calibration(url=url, dialect=str(dialect), results=_causes(results))
