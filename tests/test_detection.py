@@ -270,3 +270,8 @@ def test_calibrate_names_the_endpoints_a_server_lacks() -> None:
         message = r"counts no chat request on request \(asked: llama\.cpp /apply-template \+ /tokenize, vLLM /tokenize"
         with pytest.raises(ConfigurationError, match=message):
             keeper.calibrate(server.base_url)
+
+
+def test_auto_outside_a_keeper_says_where_it_applies() -> None:
+    with pytest.raises(ConfigurationError, match=r"'auto' is for ContextKeeper\(server='auto'\)"):
+        ck.dialect_of("auto")

@@ -149,9 +149,9 @@ class Dialect:
         """The server's rules over the whole list of message dicts (``plain``, the dicts of ``given``): system
         messages merged, a final assistant message sent as a user's. ``plain`` itself when no rule applies;
         otherwise a new list (the dicts in it are not changed)."""
-        if self.merge_system and self.roles and not self._keeps_roles(template):
-            if any(message.role in self.roles for message in given):
-                plain = _merged_system(plain)
+        renamed = self.merge_system and self.roles and not self._keeps_roles(template)
+        if renamed and any(message.role in self.roles for message in given):
+            plain = _merged_system(plain)
         if self.final_assistant == "user" and add_generation_prompt and plain:
             last = plain[-1]
             if last.get("role") == "assistant" and isinstance(last.get("content"), str):
@@ -250,9 +250,15 @@ def _client_order_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
         "strict": function.get("strict"),
         "defer_loading": deferred if function.get("defer_loading") is None else function["defer_loading"],
     }
-    fields = {key: value for key, value in fields.items() if value is not None or key not in ("strict", "defer_loading")}
+    fields = {
+        key: value for key, value in fields.items() if value is not None or key not in ("strict", "defer_loading")
+    }
     order = [key for key in function if key in fields] + [key for key in fields if key not in function]
-    return {"type": tool.get("type", "function"), "function": {key: fields[key] for key in order}, "defer_loading": deferred}
+    return {
+        "type": tool.get("type", "function"),
+        "function": {key: fields[key] for key in order},
+        "defer_loading": deferred,
+    }
 
 
 def _is_json(text: str) -> bool:
@@ -408,6 +414,8 @@ def dialect_of(server: str | Dialect | None) -> Dialect:
     key = str(server).strip().lower().replace("llamacpp", "llama.cpp").replace("llama-cpp", "llama.cpp")
     if key in DIALECTS:
         return DIALECTS[key]
+    auto = "; 'auto' is for ContextKeeper(server='auto'), which asks the server when it wraps a client"
     raise ConfigurationError(
         f"unknown server dialect {server!r}. Fix: server= one of {', '.join(DIALECTS)} (default vllm)"
+        + (auto if key == "auto" else "")
     )
