@@ -85,7 +85,8 @@ PROBES: tuple[Probe, ...] = (
     ),
     Probe(
         name="developer-role",
-        rule="roles: developer mapped to system (llama.cpp) or passed as is (vLLM)",
+        rule="roles: developer mapped to system (llama.cpp; vLLM where the template does not name the role) or passed "
+        "as is",
         messages=({"role": "developer", "content": "Be brief."}, _ASK),
     ),
     Probe(

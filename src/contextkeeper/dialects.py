@@ -397,9 +397,11 @@ DIALECTS: dict[str, Dialect] = {
                 "the length of its input_ids)",
             ),
         ),
-        Dialect(
+        replace(
+            _VLLM,
             name="openai",
             description="hosted OpenAI-compatible APIs: vLLM's preprocessing (their own counts are not published)",
+            sources=(),
         ),
     )
 }
