@@ -375,3 +375,18 @@ def test_the_cli_counts_for_the_server_it_is_told(
         assert main([*argv, "--server", server]) == 0
         counts[server] = json.loads(capsys.readouterr().out)["tokens"]
     assert counts == {"vllm": 36, "llama.cpp": case["prompt_tokens"]}  # vLLM's: tests/fixtures/vllm/qwen2.json
+
+
+@pytest.mark.parametrize("server", ["vllm", "sglang", "llama.cpp"])
+def test_the_breakdown_of_a_final_assistant_message_has_no_negative_slot(server: str) -> None:
+    # SGLang makes the final assistant message a user one and llama.cpp continues it: both write fewer tokens
+    # than the closed message, which the slots put on the request, not a negative template overhead.
+    assets.require_assets()
+    case = next(case for case in cases() if case["name"] == "final-assistant")
+    counter = load_counter(
+        str(assets.tokenizer_dir("qwen2")), chat_template=assets.template("Qwen-Qwen3-0.6B"), server=server
+    )
+    parts = ck.breakdown(counter, case["messages"])
+    slots = (parts.system, parts.tools, parts.history, parts.request, parts.template_overhead)
+    assert min(slots) >= 0
+    assert sum(slots) == parts.tokens == counter.count(case["messages"])

@@ -150,6 +150,9 @@ def prompt_slots(
             raise ChatTemplateError("the template refuses the system prompt without a request")
         bare = int(count(fixed, tools=tools, add_generation_prompt=False))
         system_slot, tools_slot = head.system - head.empty, head.with_tools - head.system
+        # A server that continues a final assistant message (llama.cpp) or makes it a user one (SGLang) writes
+        # fewer tokens than the closed message without a generation prompt: that handling is the request's.
+        bare = min(bare, base)
         request_slot, overhead = bare - head.with_tools, head.empty + base - bare
     except ChatTemplateError:
         no_tools = int(count(fixed)) if tools else base
