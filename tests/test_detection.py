@@ -267,7 +267,7 @@ def test_calibrate_names_the_endpoints_a_server_lacks() -> None:
     assets.require_assets()
     keeper = _keeper()
     with ChatServer(assets.tokenizer_dir("qwen2"), chat_template=assets.template(QWEN["template"])) as server:
-        message = r"counts no chat request on request \(asked: llama\.cpp /apply-template \+ /tokenize, vLLM /tokenize"
+        message = r"counts no chat request on request \(asked: llama\.cpp /apply-template \+ /tokenize, vLLM or SGLang"
         with pytest.raises(ConfigurationError, match=message):
             keeper.calibrate(server.base_url)
 

@@ -1,9 +1,9 @@
 """Calibration: compare the keeper's counts with what a running server counts, probe by probe, and say why.
 
 Each probe is a small conversation aimed at one rule where servers differ (see docs/dialects.md). A server that
-counts a chat request on request (llama.cpp's ``/apply-template`` and ``/tokenize``; vLLM's ``/tokenize`` with
-messages) counts every probe without generating anything; each difference is reported with the rule its probe
-tests and the dialect setting that follows the server.
+counts a chat request on request (llama.cpp's ``/apply-template`` and ``/tokenize``; vLLM's and SGLang's
+``/tokenize`` with messages) counts every probe without generating anything; each difference is reported with the
+rule its probe tests and the dialect setting that follows the server.
 """
 
 from __future__ import annotations
@@ -169,11 +169,10 @@ def _llamacpp(url: str, body: dict[str, Any], timeout: float) -> _Counted:
 
 
 def _tokenize_messages(url: str, body: dict[str, Any], timeout: float) -> _Counted:
-    # vLLM (vllm/entrypoints/serve/tokenize: TokenizeChatRequest): /tokenize takes the chat request's messages and
-    # tools and prepares them as /v1/chat/completions does (a generation prompt added by default)
-    status, answer = request_json(
-        f"{url}/tokenize", {**body, "add_generation_prompt": True}, timeout=timeout, purpose="calibrate"
-    )
+    # vLLM (vllm/entrypoints/serve/tokenize/protocol.py: TokenizeChatRequest) and SGLang (sglang/srt/entrypoints/
+    # openai/protocol.py: TokenizeRequest): /tokenize takes the chat request's messages and tools and prepares them
+    # as /v1/chat/completions does while add_generation_prompt is left out (SGLang renders them "as given" with it)
+    status, answer = request_json(f"{url}/tokenize", body, timeout=timeout, purpose="calibrate")
     if status in (404, 405):
         raise _NotHere
     tokenized = answer if isinstance(answer, dict) else {}
@@ -190,7 +189,7 @@ def _tokenize_messages(url: str, body: dict[str, Any], timeout: float) -> _Count
 # The ways a server counts a chat request on request, tried in order until one is there (no text is generated).
 WAYS: tuple[tuple[str, Callable[[str, dict[str, Any], float], _Counted]], ...] = (
     ("llama.cpp /apply-template + /tokenize", _llamacpp),
-    ("vLLM /tokenize with messages", _tokenize_messages),
+    ("vLLM or SGLang /tokenize with messages", _tokenize_messages),
 )
 
 
@@ -198,8 +197,8 @@ def calibrate(counter: Any, target: Any, *, timeout: float = 10.0) -> Calibratio
     """Count every probe with ``counter`` and with the server at ``target`` (a URL or an openai client).
 
     The server must count a chat request on request (:data:`WAYS`: llama.cpp's ``/apply-template`` and
-    ``/tokenize``, vLLM's ``/tokenize`` with messages); one that cannot is a ConfigurationError naming the
-    endpoints."""
+    ``/tokenize``, vLLM's and SGLang's ``/tokenize`` with messages); one that cannot is a ConfigurationError naming
+    the endpoints."""
     url = root_url(target, "calibrate")
     ways = list(WAYS)
     results = []
@@ -212,8 +211,8 @@ def calibrate(counter: Any, target: Any, *, timeout: float = 10.0) -> Calibratio
             if not ways:
                 raise ConfigurationError(
                     f"{url} counts no chat request on request (asked: {', '.join(name for name, _ in WAYS)}); "
-                    "calibrate needs llama.cpp's llama-server or vLLM. Fix: calibrate against one of those, or rely "
-                    "on the drift the wrapped client learns"
+                    "calibrate needs llama.cpp's llama-server, vLLM or SGLang. Fix: calibrate against one of those, or "
+                    "rely on the drift the wrapped client learns"
                 )
             try:
                 counted = ways[0][1](url, body, timeout)
