@@ -255,8 +255,7 @@ def test_what_transformers_serve_answers_to_detection() -> None:
 # ------------------------------------------------------------------------------------------------- live
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama-bpe"])
-def live(request: pytest.FixtureRequest) -> Iterator[Any]:
+def _serve(vocab: str) -> Iterator[Any]:
     """A ``transformers serve`` (CPU, loopback) on the tiny model for the vocabulary, stopped when done."""
     from transformers.utils.import_utils import is_serve_available
 
@@ -266,9 +265,20 @@ def live(request: pytest.FixtureRequest) -> Iterator[Any]:
     sys.path.insert(0, str(ROOT / "scripts"))
     from record_transformers_serve import TransformersServer, tiny_model  # type: ignore[import-not-found]
 
-    with TransformersServer(tiny_model(request.param), wait_s=120) as server:  # stopped even if a test fails
-        server.vocab = request.param
+    with TransformersServer(tiny_model(vocab), wait_s=120) as server:  # stopped even if a test fails
+        server.vocab = vocab
         yield server
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama-bpe"])
+def live(request: pytest.FixtureRequest) -> Iterator[Any]:
+    yield from _serve(request.param)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Any]:
+    """The live server the default run starts: Qwen3's template on the qwen2 vocabulary."""
+    yield from _serve("qwen2")
 
 
 @pytest.mark.server
@@ -283,8 +293,17 @@ def test_live_transformers_serve_still_counts_the_recordings(live: Any) -> None:
             assert counter.count(case["messages"], tools=case["tools"]) == recorded["prompt_tokens"], case["name"]
 
 
+def test_a_wrapped_chat_against_a_live_transformers_serve_counts_every_prompt(served: Any) -> None:
+    """Run by default: the real server started here, the chat below through it."""
+    _wrapped_chat(served)
+
+
 @pytest.mark.server
 def test_a_wrapped_chat_against_transformers_serve_counts_every_prompt(live: Any) -> None:
+    _wrapped_chat(live)
+
+
+def _wrapped_chat(live: Any) -> None:
     """Turns through ``keeper.wrap`` and the openai SDK, with tools, tool calls and every script, fitted to a small
     context: each prompt the server counts is the keeper's count, and no drift warning is raised."""
     import openai
