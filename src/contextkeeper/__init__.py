@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
     )
     from .messages import ContentPart, Conversation, FunctionCall, Message, ToolCall, Unit, raw_view, server_view
     from .policy import Policy, load_policy, register_policy_path
+    from .redis_ledger import LedgerUnavailable, RedisLedger
     from .report import Fit, FitReport
     from .tokens import (
         Breakdown,
@@ -108,6 +109,8 @@ _LAZY: dict[str, str] = {
     "HFChatTemplateCounter": ".tokens",
     "KVReport": ".memory",
     "Ledger": ".ledger",
+    "LedgerUnavailable": ".redis_ledger",
+    "RedisLedger": ".redis_ledger",
     "Measurement": ".tokens",
     "MediaCost": ".tokens",
     "MemoryMonitor": ".diagnose",
@@ -199,6 +202,7 @@ __all__ = [
     "InvariantViolation",
     "KVReport",
     "Ledger",
+    "LedgerUnavailable",
     "Measurement",
     "MediaCost",
     "MemoryMonitor",
@@ -220,6 +224,7 @@ __all__ = [
     "ProfileReport",
     "ProviderError",
     "Recommendation",
+    "RedisLedger",
     "RequestTooLarge",
     "Reserve",
     "StreamInterrupted",

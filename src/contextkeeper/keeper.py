@@ -33,6 +33,7 @@ from .tokens import TemplateLimits, TokenCounter, load_counter
 __all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge", "Reserve"]
 
 log = logging.getLogger("contextkeeper")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 async def _awaited(value: Awaitable[Any]) -> Any:
@@ -80,6 +81,9 @@ class ContextKeeper:
         kv_capacity: int | None = None,
         monitor: Any = None,
         server: str | None = None,
+        ledger: str | None = None,
+        ledger_pool: str = "default",
+        ledger_unavailable: Literal["fail", "local"] = "fail",
     ) -> None:
         if tokenizer is None:
             raise ConfigurationError(
@@ -139,11 +143,24 @@ class ContextKeeper:
         self.gpu, self.concurrency, self.runtime, self.kv_dtype = gpu, concurrency, runtime, kv_dtype
         from .transcript import check_transcript
 
+        if ledger is not None and not (isinstance(ledger, str) and ledger.startswith(_REDIS_SCHEMES)):
+            raise ConfigurationError(
+                f"ledger must be a Redis URL ({', '.join(_REDIS_SCHEMES)}...) or None (admission in this process), "
+                f"got {ledger!r}"
+            )
+        if ledger_unavailable not in ("fail", "local"):
+            raise ConfigurationError(
+                f"ledger_unavailable must be 'fail' (a typed error when Redis cannot be reached) or 'local' (admit "
+                f"in this process, with a warning), got {ledger_unavailable!r}"
+            )
         self._call_settings = {
             "transcript": cast(Any, check_transcript(transcript)),  # a bad value fails here, not at the first call
             "admission": admission,
             "timeout": admission_timeout,
             "capacity": kv_capacity,
+            "ledger": ledger,
+            "pool": ledger_pool,
+            "unavailable": ledger_unavailable,
         }
         self.monitor = monitor
         self.last_call: Any = None
@@ -312,7 +329,7 @@ class ContextKeeper:
 
     def _make_calls(self) -> Any:
         from .backends.calls import Calls
-        from .ledger import Ledger, capacity_from_plan
+        from .ledger import capacity_from_plan
         from .transcript import open_transcript
 
         settings = self._call_settings
@@ -324,12 +341,38 @@ class ContextKeeper:
             )
             source = "planned"
         calls = Calls(
-            keeper=self,
-            ledger=Ledger(capacity, mode=settings["admission"], timeout=settings["timeout"], source=source),
-            transcript=open_transcript(settings["transcript"]),
+            keeper=self, ledger=self._ledger(capacity, source), transcript=open_transcript(settings["transcript"])
         )
         self._calls = calls
         return calls
+
+    def _ledger(self, capacity: int | None, source: str | None) -> Any:
+        """The KV ledger of wrapped calls: this process's, or the pool's in Redis (``ledger=``)."""
+        from .ledger import Ledger
+
+        settings = self._call_settings
+        if settings["ledger"] is not None:
+            from .redis_ledger import LedgerUnavailable, RedisLedger
+
+            try:
+                return RedisLedger(
+                    settings["ledger"],
+                    capacity,
+                    pool=settings["pool"],
+                    mode=settings["admission"],
+                    timeout=settings["timeout"],
+                    source=source,
+                )
+            except LedgerUnavailable as error:
+                if settings["unavailable"] == "fail":
+                    raise
+                warnings.warn(
+                    f"{error}. ledger_unavailable='local': this process admits per process, against the whole "
+                    "capacity, until it is restarted",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        return Ledger(capacity, mode=settings["admission"], timeout=settings["timeout"], source=source)
 
     @property
     def transcript(self) -> Any:
