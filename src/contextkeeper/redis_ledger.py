@@ -257,12 +257,15 @@ class RedisLedger(Ledger):
             raise _unavailable(self.url, error) from error
 
     async def _run_async(self, name: str, *args: Any) -> Any:
-        if self._async_client is None:
+        loop = asyncio.get_running_loop()
+        if self._async_client is None or self._async_client[0] is not loop:
+            # An asyncio client belongs to the loop it was made on: one per loop (asyncio.run makes a new one).
             import redis.asyncio as aioredis
 
-            self._async_client = aioredis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=5)
+            client = aioredis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=5)
+            self._async_client = (loop, client)
         try:
-            return await self._async_client.eval(_SCRIPTS[name], len(self.keys), *self.keys, *args)
+            return await self._async_client[1].eval(_SCRIPTS[name], len(self.keys), *self.keys, *args)
         except self._errors as error:
             raise _unavailable(self.url, error) from error
 
@@ -377,7 +380,16 @@ class RedisLedger(Ledger):
             fence = self._fences.pop(ticket, None)
             if fence is not None:
                 self._held.pop(fence, None)
-        if fence is not None and not self._run("release", fence):
+        if fence is None:
+            return
+        try:
+            given = self._run("release", fence)
+        except LedgerUnavailable as error:
+            # The call itself is done: do not turn it into a failure. No heartbeat renews the ticket any more, so
+            # the pool takes its tokens back when its lease runs out.
+            log.warning("%s; its %s tokens return to the pool within the lease", error, f"{ticket.tokens:,}")
+            return
+        if not given:
             ticket.expired = True  # its lease ran out: the pool took the tokens back, and nothing is given twice
 
     def _resize(self, ticket: Ticket, tokens: int) -> None:
