@@ -28,7 +28,8 @@ ContextKeeperError
     ├── ContextLengthExceeded      the server kept refusing the prompt as too long after every recovery
     ├── OutOfMemory                the local model ran out of memory after every recovery
     └── TransportError             timeouts, connection drops, 429/5xx or malformed replies after every retry
-        └── StreamInterrupted      a stream that broke after it had yielded chunks (.partial: the text so far)
+        ├── StreamInterrupted      a stream that broke after it had yielded chunks (.partial: the text so far)
+        └── LedgerUnavailable      the shared KV ledger's Redis cannot be reached (redis_ledger.py: its wording)
 ```
 
 Every error may carry ``fix``: the setting or change that resolves it (the CLI prints it as its own field).
