@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 _APT_UPDATED: list[bool] = []
 
@@ -76,24 +77,20 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=5)
 
 
-class RedisServer:
-    """``redis-server`` on a free loopback port, nothing saved to disk; ``url`` is ``redis://127.0.0.1:PORT/0``."""
+class _Engine:
+    """A server process on ``self.port``: each engine says only how it is started (:meth:`command`)."""
 
-    def __init__(self) -> None:
-        install("redis-server", shutil.which("redis-server") is not None)
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.dir = tempfile.mkdtemp(prefix="ck-redis-")
-        self.process: subprocess.Popen[bytes] | None = None
+    name = "server"
+    port: int
+    dir: str | Path
+    process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> RedisServer:
-        command = [
-            str(shutil.which("redis-server")),
-            "--bind", "127.0.0.1", "--port", str(self.port), "--dir", self.dir,
-            "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
-        ]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_port(self.port, self.process, "redis-server")
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(self.port, self.process, self.name)
         return self
 
     def stop(self) -> None:
@@ -105,11 +102,30 @@ class RedisServer:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> RedisServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RedisServer(_Engine):
+    """``redis-server`` on a free loopback port, nothing saved to disk; ``url`` is ``redis://127.0.0.1:PORT/0``."""
+
+    name = "redis-server"
+
+    def __init__(self) -> None:
+        install("redis-server", shutil.which("redis-server") is not None)
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.dir = tempfile.mkdtemp(prefix="ck-redis-")
+
+    def command(self) -> list[str]:
+        return [
+            str(shutil.which("redis-server")),
+            "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.dir),
+            "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
+        ]  # fmt: skip
 
 
 def _postgres_bin() -> Path | None:
@@ -117,14 +133,17 @@ def _postgres_bin() -> Path | None:
     return Path(found[-1]).parent if found else None
 
 
-class PostgresServer:
+class PostgresServer(_Engine):
     """A Postgres cluster made with ``initdb`` in a temporary directory and served on a free loopback port (as the
     ``postgres`` user when run as root, which Postgres requires); ``url`` connects as superuser ``ck``."""
 
+    name = "postgres"
+
     def __init__(self) -> None:
         install("postgresql", _postgres_bin() is not None)
-        self.bin = _postgres_bin()
-        assert self.bin is not None
+        found = _postgres_bin()
+        assert found is not None
+        self.bin: Path = found
         self.port = _free_port()
         self.url = f"postgresql://ck@127.0.0.1:{self.port}/postgres"
         self.dir = Path(tempfile.mkdtemp(prefix="ck-postgres-"))
@@ -138,29 +157,10 @@ class PostgresServer:
         done = subprocess.run([*initdb, "--no-sync"], capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"initdb failed: {done.stderr[-500:]}")
-        self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> PostgresServer:
-        command = [
+    def command(self) -> list[str]:
+        return [
             *self.prefix, str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port),
             "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.dir}",
             "-c", "fsync=off", "-c", "max_connections=200",
         ]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_port(self.port, self.process, "postgres")
-        return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            _stop(self.process)
-            self.process = None
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> PostgresServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
