@@ -2,7 +2,9 @@
 
 Each is installed from its Debian package when missing (``redis-server``, ``postgresql``; CI runs as root), then
 started on a free loopback port in a temporary directory, and stopped when the test session ends. Nothing listens
-beyond 127.0.0.1; every wait is bounded.
+beyond 127.0.0.1; every wait is bounded. :class:`RedisCluster` (three nodes joined by ``redis-cli --cluster
+create``) and :class:`RedisSentinel` (a master watched by one ``redis-server --sentinel``) are built from the same
+parts.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import pwd
+import random
 import shutil
 import socket
 import subprocess
@@ -25,6 +28,20 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _free_cluster_port() -> int:
+    """A loopback port free together with its cluster bus port (+10000), both below 65536."""
+    for _ in range(200):
+        port = random.randrange(20000, 30000)
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free pair of loopback ports (port, port + 10000) in 20000-30000")
 
 
 def install(package: str, present: bool) -> None:
@@ -164,3 +181,179 @@ class PostgresServer(_Engine):
             "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.dir}",
             "-c", "fsync=off", "-c", "max_connections=200",
         ]  # fmt: skip
+
+
+def _redis_cli(*args: str, timeout: float = 30.0) -> str:
+    """``redis-cli ARGS`` (from the redis-server package, or redis-tools), its stdout; an error names the output."""
+    install("redis-tools", shutil.which("redis-cli") is not None)
+    done = subprocess.run(
+        [str(shutil.which("redis-cli")), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"redis-cli {' '.join(args)} failed ({done.returncode}): {(done.stdout + done.stderr)[-500:]}"
+        )
+    return done.stdout
+
+
+class _ClusterNode(RedisServer):
+    """One ``redis-server --cluster-enabled yes`` node (its bus on ``port + 10000``)."""
+
+    name = "redis-server (cluster node)"
+
+    def __init__(self, port: int, root: str) -> None:
+        install("redis-server", shutil.which("redis-server") is not None)
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.dir = os.path.join(root, str(port))
+        os.makedirs(self.dir, exist_ok=True)
+
+    def command(self) -> list[str]:
+        return [
+            *super().command(),
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+        ]  # fmt: skip
+
+
+class RedisCluster:
+    """A Redis Cluster of ``nodes`` masters (no replicas) on free loopback ports; ``url`` is
+    ``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,.../0``. The slots are assigned once, by ``redis-cli --cluster
+    create``; a stopped cluster starts again from its nodes' saved layout."""
+
+    name = "redis cluster"
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.dir = tempfile.mkdtemp(prefix="ck-redis-cluster-")
+        self.nodes = [_ClusterNode(_free_cluster_port(), self.dir) for _ in range(nodes)]
+        self.ports = [node.port for node in self.nodes]
+        self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports) + "/0"
+        self.created = False
+
+    def start(self) -> Self:
+        for node in self.nodes:
+            node.start()
+        if not self.created:
+            _redis_cli(
+                "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
+                "--cluster-replicas", "0", "--cluster-yes",
+            )  # fmt: skip
+            self.created = True
+        self.wait_ok()
+        return self
+
+    def wait_ok(self, seconds: float = 20.0) -> None:
+        """Wait until every node says ``cluster_state:ok`` (all slots served)."""
+        deadline = time.monotonic() + seconds
+        states: list[str] = []
+        while time.monotonic() < deadline:
+            states = [_redis_cli("-p", str(port), "cluster", "info", timeout=5) for port in self.ports]
+            if all("cluster_state:ok" in state for state in states):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the cluster on {self.ports} was not ok within {seconds:.0f} s: {states}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _SentinelProcess(_Engine):
+    """``redis-server CONF --sentinel`` watching one master (quorum 1); Sentinel rewrites CONF, so it is its own."""
+
+    name = "redis-server --sentinel"
+
+    def __init__(self, root: str, service: str, master_port: int) -> None:
+        self.port = _free_port()
+        self.dir = root
+        self.config = os.path.join(root, "sentinel.conf")
+        with open(self.config, "w") as config:
+            config.write(
+                f"port {self.port}\nbind 127.0.0.1\ndir {root}\ndaemonize no\n"
+                f"sentinel monitor {service} 127.0.0.1 {master_port} 1\n"
+                f"sentinel down-after-milliseconds {service} 1000\n"
+                f"sentinel failover-timeout {service} 5000\n"
+            )
+
+    def command(self) -> list[str]:
+        return [str(shutil.which("redis-server")), self.config, "--sentinel"]
+
+
+class RedisSentinel:
+    """A Redis master (``master``, a :class:`RedisServer`) and one Sentinel monitoring it as ``service``, with
+    ``replicas`` replicas of the master when a failover is to be tried; ``url`` is
+    ``redis+sentinel://127.0.0.1:SENTINEL_PORT/SERVICE/0``."""
+
+    name = "redis sentinel"
+
+    def __init__(self, service: str = "ckmaster", replicas: int = 0) -> None:
+        self.service = service
+        self.master = RedisServer()
+        self.replicas = [RedisServer() for _ in range(replicas)]
+        self.dir = tempfile.mkdtemp(prefix="ck-redis-sentinel-")
+        self.sentinel = _SentinelProcess(self.dir, service, self.master.port)
+        self.port = self.sentinel.port
+        self.url = f"redis+sentinel://127.0.0.1:{self.port}/{service}/0"
+
+    def start(self) -> Self:
+        self.master.start()
+        # A replica's first sync waits 5 s for more replicas by default: none are coming.
+        _redis_cli("-p", str(self.master.port), "config", "set", "repl-diskless-sync-delay", "0", timeout=5)
+        for replica in self.replicas:
+            replica.start()
+            _redis_cli("-p", str(replica.port), "replicaof", "127.0.0.1", str(self.master.port), timeout=5)
+        for replica in self.replicas:
+            self._wait_synced(replica.port)
+        self.sentinel.start()
+        self.wait_master(self.master.port)
+        return self
+
+    def _wait_synced(self, port: int, seconds: float = 20.0) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if "master_link_status:up" in _redis_cli("-p", str(port), "info", "replication", timeout=5):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"the replica on {port} did not sync with its master within {seconds:.0f} s")
+
+    def master_port(self) -> int | None:
+        """The port the Sentinel names for the service's master now."""
+        answer = _redis_cli("-p", str(self.port), "sentinel", "get-master-addr-by-name", self.service, timeout=5)
+        lines = answer.split()
+        return int(lines[1]) if len(lines) == 2 else None
+
+    def wait_master(self, port: int, seconds: float = 20.0) -> None:
+        """Wait until the Sentinel names ``port`` as the master (after a start, or a failover)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.master_port() == port:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the sentinel on {self.port} did not name 127.0.0.1:{port} within {seconds:.0f} s")
+
+    def stop(self) -> None:
+        self.sentinel.stop()
+        for replica in self.replicas:
+            replica.stop()
+        self.master.stop()
+
+    def close(self) -> None:
+        self.stop()
+        for server in (self.master, *self.replicas):
+            server.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

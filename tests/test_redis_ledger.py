@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -139,7 +140,7 @@ def test_a_stale_holder_cannot_release_what_the_pool_took_back(redis_server: Red
 
 
 def test_a_killed_process_gives_its_tokens_back_within_the_lease(redis_server: RedisServer, pool: str) -> None:
-    command = [sys.executable, str(WORKER), redis_server.url, pool, "1000", "hold", "700", "1.0"]
+    command = [sys.executable, str(WORKER), "hold", redis_server.url, pool, "1000", "--tokens", "700", "--lease", "1"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
@@ -159,32 +160,122 @@ def test_a_killed_process_gives_its_tokens_back_within_the_lease(redis_server: R
         process.wait(5)
 
 
-def test_processes_and_threads_never_hold_more_than_the_pool(redis_server: RedisServer, pool: str) -> None:
-    """4 processes x 8 threads admit and release for 8 s; the server-side peak never passes the capacity."""
-    capacity = 2000
-    RedisLedger(redis_server.url, capacity, pool=pool).close()
-    workers = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), redis_server.url, pool, str(capacity), "8", "8", str(seed)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for seed in range(4)
-    ]
-    watcher = RedisLedger(redis_server.url, capacity, pool=pool)
-    highest = 0
-    while any(worker.poll() is None for worker in workers):
-        highest = max(highest, watcher.stats()["active"])
-        time.sleep(0.01)
-    results = [json.loads(worker.communicate(timeout=30)[0].strip().splitlines()[-1]) for worker in workers]
-    stats = watcher.stats()
-    watcher.close()
-    assert all(result["errors"] == 0 for result in results), results
-    assert sum(result["admitted"] for result in results) > 200
-    assert highest <= capacity
-    assert stats["peak"] <= capacity  # the server's own high-water mark
-    assert stats["active"] == 0
-    assert stats["peak"] > capacity // 2  # the pool was really contended
+def _worker(url: str, pool: str, capacity: int, seed: int, log: Path, *extra: str) -> subprocess.Popen[str]:
+    command = [sys.executable, str(WORKER), "churn", url, pool, str(capacity), "--seed", str(seed), *extra]
+    with log.open("w") as stderr:  # its warnings (Redis down) go to a file: a full pipe would block the worker
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def _held(client: Any, pool: str) -> dict[bytes, int]:
+    return {fence: int(tokens) for fence, tokens in client.hgetall(f"{{ck:{pool}}}:held").items()}
+
+
+def test_processes_and_threads_never_hold_more_than_the_pool(pool: str, tmp_path: Path) -> None:
+    """The soak: 4 processes x 8 threads admit and release for ~60 s against one pool. The server-side active tokens,
+    sampled every 50 ms, never pass the capacity; one process SIGKILLed mid-call gives its tokens back within the
+    lease; while Redis is down (stopped and started again on its port) calls raise LedgerUnavailable, then are
+    admitted again; every call ends admitted or with a typed error, and no worker hangs."""
+    import redis
+
+    capacity, lease, seconds = 2000, 2.0, 56.0
+    kill_at, stop_at, down_for = 10.0, 24.0, 5.0
+    with RedisServer() as server:
+        RedisLedger(server.url, capacity, pool=pool).close()
+        churn = ("--seconds", str(seconds), "--threads", "8", "--lease", str(lease))
+        logs = [tmp_path / f"worker-{seed}.log" for seed in range(4)]
+        # Worker 0 is the one killed: odd token counts (the others ask for even ones) tell its tickets apart in
+        # Redis, and its calls hold longer, so it is surely mid-call when it dies.
+        workers = [_worker(server.url, pool, capacity, 0, logs[0], *churn, "--odd", "--hold", "0.05,0.2")]
+        workers += [_worker(server.url, pool, capacity, seed, logs[seed], *churn) for seed in (1, 2, 3)]
+        watcher = RedisLedger(server.url, capacity, pool=pool)
+        raw = redis.Redis.from_url(server.url, socket_timeout=5)
+        started = time.monotonic()
+        samples, highest, peaks = 0, 0, []
+        killed_tokens, killed_at, returned_after, still_held_early = 0, 0.0, None, False
+        down_at = up_at = 0.0
+        unavailable_samples = 0
+        try:
+            while any(worker.poll() is None for worker in workers) and time.monotonic() - started < seconds + 40:
+                now = time.monotonic() - started
+                try:
+                    state = watcher.stats()
+                    samples += 1
+                    assert state["active"] <= capacity, state  # never more than the pool, on the server
+                    highest = max(highest, state["active"])
+                    if not killed_at and now >= kill_at and any(n % 2 for n in _held(raw, pool).values()):
+                        os.kill(workers[0].pid, signal.SIGKILL)
+                        killed_at = time.monotonic()
+                        workers[0].wait(5)
+                        killed_tokens = sum(n for n in _held(raw, pool).values() if n % 2)
+                    elif killed_at and returned_after is None:
+                        odd = sum(n for n in _held(raw, pool).values() if n % 2)
+                        still_held_early |= bool(odd) and time.monotonic() - killed_at >= 0.5
+                        if not odd:
+                            returned_after = time.monotonic() - killed_at
+                except LedgerUnavailable:
+                    unavailable_samples += 1
+                if not down_at and now >= stop_at:
+                    peaks.append(watcher.stats()["peak"])  # the server's own high-water mark, lost with it
+                    down_at = time.time()
+                    server.stop()
+                elif down_at and not up_at and time.time() - down_at >= down_for:
+                    up_at = time.time()  # recovery is counted from here: Redis's own start included
+                    server.start()
+                time.sleep(0.05)
+            outputs = [worker.communicate(timeout=60)[0] for worker in workers[1:]]
+            final = watcher.stats()
+            peaks.append(final["peak"])
+        finally:
+            for worker in workers:
+                worker.kill()
+                worker.wait(5)
+            watcher.close()
+            raw.close()
+    results = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    admitted = sum(result["admitted"] for result in results)
+    recovered = [min(result["recoveries"]) - up_at for result in results if result["recoveries"]] or [-1.0]
+    first_refusal = min((r["unavailable_first"] for r in results if r["unavailable_first"]), default=down_at)
+    print(
+        f"\nsoak: {admitted:,} calls admitted by the 3 survivors in {seconds:.0f} s "
+        f"({sum(r['timeouts'] for r in results)} AdmissionTimeout, {sum(r['unavailable'] for r in results)} "
+        f"LedgerUnavailable); {samples} samples, peak {max(highest, *peaks):,} / {capacity:,} tokens; killed worker "
+        f"held {killed_tokens:,} tokens, back after {returned_after or 0:.2f} s (lease {lease:.0f} s); Redis down "
+        f"{up_at - down_at:.1f} s, LedgerUnavailable from +{first_refusal - down_at:.2f}"
+        f" s; first admission {min(recovered):.2f} s after Redis was started again (its start included), every "
+        f"worker by {max(recovered):.2f} s"
+    )
+    for result, log in zip(results, logs[1:], strict=True):
+        assert (result["errors"], result["hung"]) == (0, 0), (result, log.read_text()[-2000:])
+        assert result["unavailable"] > 0  # with ledger_unavailable="fail": a typed error while Redis is down
+        assert down_at <= result["unavailable_first"]
+        assert result["unavailable_last"] <= up_at + 6  # a call in redis-py's retries when Redis came back
+        assert result["recoveries"]
+        assert min(result["recoveries"]) - up_at < 5.0  # admitted again after the restart
+        assert result["admitted"] > 100
+    assert killed_tokens > 0  # it died mid-call
+    assert still_held_early  # nobody gave them back: the lease did
+    assert returned_after is not None
+    assert returned_after <= lease + 1.0
+    assert max(highest, *peaks) <= capacity
+    assert highest > capacity // 2  # the pool was really contended
+    assert final["active"] == 0
+    assert unavailable_samples > 0
+
+
+def test_a_ticket_from_before_a_restart_cannot_release_one_from_after_it(pool: str) -> None:
+    # Redis restarted empty forgets which ids it gave; the new ones start above the old, so fencing still holds.
+    with RedisServer() as server:
+        old = RedisLedger(server.url, 1000, pool=pool)
+        stale = old.acquire(300)
+        server.stop()
+        server.start()
+        fresh = RedisLedger(server.url, 1000, pool=pool)
+        with fresh.admit(800):
+            stale.release()
+            assert stale.expired  # nothing of the new pool was given back
+            assert fresh.available() == 200
+        old.close()
+        fresh.close()
 
 
 def test_an_unreachable_redis_is_a_typed_error(redis_server: RedisServer) -> None:
@@ -232,13 +323,14 @@ def test_the_keeper_admits_through_the_shared_ledger(redis_server: RedisServer, 
     assert stats["peak"] >= reply.usage.prompt_tokens
     local = ck.ContextKeeper(
         str(assets.tokenizer_dir("qwen2")), context_window=4096, kv_capacity=5000, ledger="redis://127.0.0.1:9/0",
-        ledger_unavailable="local",
+        ledger_unavailable="local", shared=False,
     )  # fmt: skip
     with pytest.warns(UserWarning, match="admits per process"):
         assert type(local.ledger) is Ledger
     failing = ck.ContextKeeper(
-        str(assets.tokenizer_dir("qwen2")), context_window=4096, kv_capacity=5000, ledger="redis://127.0.0.1:9/0"
-    )
+        str(assets.tokenizer_dir("qwen2")), context_window=4096, kv_capacity=5000, ledger="redis://127.0.0.1:9/0",
+        shared=False,
+    )  # fmt: skip
     with pytest.raises(LedgerUnavailable):
         _ = failing.ledger
     with pytest.raises(ConfigurationError, match="ledger_unavailable"):

@@ -431,7 +431,7 @@ def test_equal_dicts_in_two_key_orders_come_back_each_in_its_own(store: str, tmp
 def test_a_bad_transcript_setting_fails_at_construction(kind: str, tmp_path: Path, tokenizer: Any) -> None:
     text_file = tmp_path / "notes.txt"
     text_file.write_text("my notes, not a database\n")
-    value: Any = {"int": 42, "directory": tmp_path, "text file": text_file, "url": "postgresql://db/chat"}[kind]
+    value: Any = {"int": 42, "directory": tmp_path, "text file": text_file, "url": "mysql://db/chat"}[kind]
     with pytest.raises(ck.ConfigurationError) as caught:
         ck.ContextKeeper(tokenizer, context_window=1024, transcript=value)
     text = str(caught.value)

@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
     from .policy import Policy, load_policy, register_policy_path
     from .redis_ledger import LedgerUnavailable, RedisLedger
     from .report import Fit, FitReport
+    from .shared import ConversationShare, ServerFacts, SharedState, SharedUnavailable, SummaryClaim
     from .tokens import (
         Breakdown,
         HFChatTemplateCounter,
@@ -111,6 +112,11 @@ _LAZY: dict[str, str] = {
     "Ledger": ".ledger",
     "LedgerUnavailable": ".redis_ledger",
     "RedisLedger": ".redis_ledger",
+    "ConversationShare": ".shared",
+    "ServerFacts": ".shared",
+    "SharedState": ".shared",
+    "SharedUnavailable": ".shared",
+    "SummaryClaim": ".shared",
     "Measurement": ".tokens",
     "MediaCost": ".tokens",
     "MemoryMonitor": ".diagnose",
@@ -186,6 +192,7 @@ __all__ = [
     "ContextKeeperError",
     "ContextLengthExceeded",
     "Conversation",
+    "ConversationShare",
     "CountingError",
     "DetectedGPU",
     "Detection",
@@ -227,7 +234,11 @@ __all__ = [
     "RedisLedger",
     "RequestTooLarge",
     "Reserve",
+    "ServerFacts",
+    "SharedState",
+    "SharedUnavailable",
     "StreamInterrupted",
+    "SummaryClaim",
     "TemplateLimitExceeded",
     "TemplateLimits",
     "TokenCounter",

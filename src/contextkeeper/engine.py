@@ -42,6 +42,7 @@ class Setup:
     horizon: float
     policy: str
     backend: Callable[[LLMCall], str] | None
+    shared: Any = None  # a shared.SharedState: summaries and their leases across processes (None: this one only)
 
     def runs(self, strategy: Any) -> bool:
         """Whether ``strategy`` runs in a fit: a summarising step only with a summarizer (the sliding window
@@ -398,6 +399,7 @@ def read(setup: Setup, session: Session, ask: Ask, per_token: float) -> Draft:
         turn=session.turn,
         actions=compacted,
         memory=session.memory,
+        shared=setup.shared.conversation(session.name) if setup.shared is not None else None,
     )
     initial = state.history
     for strategy, trigger in setup.pipeline:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import inspect
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Awaitable, Sequence
@@ -19,6 +21,7 @@ from typing import Any, Literal, cast
 
 from . import engine
 from ._exceptions import ConfigurationError, InvariantViolation, RequestTooLarge, TransportError
+from ._redis import SCHEMES, is_redis_url
 from .budget import Budget, Reserve
 from .calibration import Calibration, calibrate
 from .dialects import DIALECTS, Dialect, dialect_of
@@ -33,7 +36,12 @@ from .tokens import TemplateLimits, TokenCounter, load_counter
 __all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge", "Reserve"]
 
 log = logging.getLogger("contextkeeper")
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _is_shared_state(value: object) -> bool:
+    from .shared import SharedState
+
+    return isinstance(value, SharedState)
 
 
 async def _awaited(value: Awaitable[Any]) -> Any:
@@ -58,6 +66,13 @@ class ContextKeeper:
     ``monitor`` (a :class:`~contextkeeper.diagnose.MemoryMonitor`) is sampled after every call.
     ``server``: whose preprocessing counts follow (a name in :data:`~contextkeeper.dialects.DIALECTS`, default
     vLLM's), or ``"auto"``: the first :meth:`wrap` of an openai client asks that server once which it is.
+
+    Many processes and replicas (docs/scaling.md): ``ledger`` (a Redis URL) admits every process against one KV
+    pool named ``ledger_pool``; ``shared`` (a Redis URL or a :class:`~contextkeeper.shared.SharedState`; by default
+    the ledger's URL; False: off) shares what is learned once: server limits and hidden tokens, detected servers,
+    summaries with a per-conversation lease. ``transcript`` may be a ``postgresql://`` URL. When Redis cannot be
+    reached, ``ledger_unavailable`` / ``shared_unavailable`` (by default the ledger's choice) say "fail" (a typed
+    error) or "local" (go on in this process, with a warning).
     """
 
     def __init__(
@@ -84,6 +99,8 @@ class ContextKeeper:
         ledger: str | None = None,
         ledger_pool: str = "default",
         ledger_unavailable: Literal["fail", "local"] = "fail",
+        shared: Any = None,
+        shared_unavailable: Literal["fail", "local"] | None = None,
     ) -> None:
         if tokenizer is None:
             raise ConfigurationError(
@@ -143,9 +160,9 @@ class ContextKeeper:
         self.gpu, self.concurrency, self.runtime, self.kv_dtype = gpu, concurrency, runtime, kv_dtype
         from .transcript import check_transcript
 
-        if ledger is not None and not (isinstance(ledger, str) and ledger.startswith(_REDIS_SCHEMES)):
+        if ledger is not None and not is_redis_url(ledger):
             raise ConfigurationError(
-                f"ledger must be a Redis URL ({', '.join(_REDIS_SCHEMES)}...) or None (admission in this process), "
+                f"ledger must be a Redis URL ({', '.join(SCHEMES)}...) or None (admission in this process), "
                 f"got {ledger!r}"
             )
         if ledger_unavailable not in ("fail", "local"):
@@ -153,6 +170,24 @@ class ContextKeeper:
                 f"ledger_unavailable must be 'fail' (a typed error when Redis cannot be reached) or 'local' (admit "
                 f"in this process, with a warning), got {ledger_unavailable!r}"
             )
+        if shared is None:
+            shared = ledger  # a Redis ledger shares learned state too, unless told otherwise (shared=False)
+        if not (shared is False or shared is None or is_redis_url(shared) or _is_shared_state(shared)):
+            raise ConfigurationError(
+                f"shared must be a Redis URL ({', '.join(SCHEMES)}...), a SharedState, or False (learn per process), "
+                f"got {shared!r}"
+            )
+        if shared_unavailable is None:
+            shared_unavailable = ledger_unavailable  # one choice for both, unless told apart
+        if shared_unavailable not in ("fail", "local"):
+            raise ConfigurationError(
+                f"shared_unavailable must be 'fail' (a typed error when Redis cannot be reached) or 'local' (go on "
+                f"with what this process learns, with a warning), got {shared_unavailable!r}"
+            )
+        self._shared_spec: Any = shared or None
+        self._shared_unavailable = shared_unavailable
+        self._shared: Any = None
+        self._shared_lock = threading.Lock()
         self._call_settings = {
             "transcript": cast(Any, check_transcript(transcript)),  # a bad value fails here, not at the first call
             "admission": admission,
@@ -236,8 +271,13 @@ class ContextKeeper:
                 reserve=reserve if reserve is not None else Reserve(),
             )
             ask = engine.Ask.of(session, messages, tools, budget, started)
+            backend = self._backend()
             setup = engine.Setup(
-                pipeline=self.pipeline, horizon=self.policy.horizon, policy=self.policy.name, backend=self._backend()
+                pipeline=self.pipeline,
+                horizon=self.policy.horizon,
+                policy=self.policy.name,
+                backend=backend,
+                shared=self.shared if backend is not None else None,
             )
             fit = engine.fit(setup, session, ask)
             session.last_fit = fit
@@ -251,6 +291,35 @@ class ContextKeeper:
     def forget(self, conversation: str | None = None) -> bool:
         """Drop what the keeper remembers of ``conversation`` (default: the default one); True if it had any."""
         return self._sessions.drop(conversation or DEFAULT_CONVERSATION)
+
+    @property
+    def shared(self) -> Any:
+        """What replicas learn once, in Redis (a :class:`~contextkeeper.shared.SharedState`; None: this process
+        only). Connected on first use; unreachable, it is a :class:`SharedUnavailable` error, or with
+        ``shared_unavailable="local"`` a warning and None."""
+        if self._shared_spec is None or self._shared is not None:
+            return self._shared
+        with self._shared_lock:
+            if self._shared is None and self._shared_spec is not None:
+                from .shared import SharedState, SharedUnavailable
+
+                spec = self._shared_spec
+                try:
+                    self._shared = (
+                        spec
+                        if isinstance(spec, SharedState)
+                        else SharedState(spec, unavailable=self._shared_unavailable)
+                    )
+                except SharedUnavailable as error:
+                    if self._shared_unavailable == "fail":
+                        raise
+                    warnings.warn(
+                        f"{error}. shared_unavailable='local': this process learns on its own until it is restarted",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+                    self._shared_spec = None
+        return self._shared
 
     def _backend(self) -> Any:
         if self.summarizer is None:
@@ -297,10 +366,18 @@ class ContextKeeper:
         """Ask the server behind ``client`` which it is (once), and count with its dialect from now on."""
         from .detection import Detection, DetectionWarning, detect_server
 
-        try:
-            found = detect_server(client)
-        except TransportError as error:
-            found = Detection(url=str(client.base_url), server=None, evidence=str(error))
+        shared = self.shared
+        url = str(client.base_url)
+        known = shared.detection(url) if shared is not None else None
+        if known is not None:
+            found = Detection(**{**known, "asked": tuple(known.get("asked", ())), "evidence": known["evidence"]})
+        else:
+            try:
+                found = detect_server(client)
+            except TransportError as error:
+                found = Detection(url=url, server=None, evidence=str(error))
+            if shared is not None and found.server is not None:
+                shared.remember_detection(url, dataclasses.asdict(found))
         self.detection = found
         if found.server is None:
             warnings.warn(
@@ -341,7 +418,10 @@ class ContextKeeper:
             )
             source = "planned"
         calls = Calls(
-            keeper=self, ledger=self._ledger(capacity, source), transcript=open_transcript(settings["transcript"])
+            keeper=self,
+            ledger=self._ledger(capacity, source),
+            transcript=open_transcript(settings["transcript"]),
+            shared=self.shared,
         )
         self._calls = calls
         return calls
@@ -401,9 +481,11 @@ class ContextKeeper:
         return size, (tokens / capacity if capacity else None)
 
     def close(self) -> None:
-        """Close the transcript (a SQLite file keeps everything recorded)."""
+        """Close the transcript (a SQLite file keeps everything recorded) and the shared state's connection."""
         if self._calls is not None and self._calls.transcript is not None:
             self._calls.transcript.close()
+        if self._shared is not None:
+            self._shared.close()
 
     def __enter__(self) -> ContextKeeper:
         return self

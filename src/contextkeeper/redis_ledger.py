@@ -8,12 +8,13 @@ server has. Each decision is one server-side script (checked and booked atomical
   so a large call is never starved by a stream of small ones from other processes;
 - **leases**: every ticket has a deadline in Redis that this process's heartbeat keeps moving; the tokens of a
   process that dies come back within ``lease`` seconds, and a waiter that stops asking leaves the queue;
-- **fencing**: ticket ids are never reused; a holder whose ticket ran out cannot release or resize tokens it no
-  longer holds (its ``release`` finds nothing, and ``expired`` says so);
+- **fencing**: ticket ids are never reused, not even after Redis restarted empty; a holder whose ticket ran out
+  cannot release or resize tokens it no longer holds (its ``release`` finds nothing, and ``expired`` says so);
 - **one capacity per pool**: the first ledger stores it; replicas read the stored figure (a different one given
   is a warning, not a second truth).
 
 Keys are ``{ck:<pool>}:...``: one hash tag per pool, so every key of a script sits in one Redis Cluster slot.
+``url`` is any form :mod:`contextkeeper._redis` reads: one server, TLS, a Redis Cluster, or Sentinel.
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ import threading
 import time
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from ._exceptions import ConfigurationError, TransportError
+from ._redis import connect, connection_errors
+from ._redis import safe_url as _safe
 from .ledger import AdmissionTimeout, ExceedsCapacity, Ledger, Mode, Ticket, _check_seconds
-
-if TYPE_CHECKING:
-    import redis
 
 __all__ = ["LedgerUnavailable", "RedisLedger"]
 
@@ -63,6 +63,11 @@ end
 _ADMIT = (
     _REAP
     + """
+if redis.call('EXISTS', KEYS[6]) == 0 then
+  -- A new pool, or a Redis that restarted empty: ids start at Redis's clock in microseconds, above every id the
+  -- pool gave before, so a ticket from before a restart never names one from after it.
+  redis.call('SET', KEYS[6], t[1] .. string.format('%06d', tonumber(t[2])))
+end
 if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
   redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[6]), ARGV[1])
 end
@@ -172,12 +177,6 @@ def _unavailable(url: str, error: Exception) -> LedgerUnavailable:
     return failure
 
 
-def _safe(url: str) -> str:
-    """``url`` without a password."""
-    head, at, tail = url.rpartition("@")
-    return f"{head.split('//')[0]}//***@{tail}" if at else url
-
-
 class RedisLedger(Ledger):
     """A :class:`Ledger` shared through Redis at ``url`` by every process using the same ``pool`` name.
 
@@ -208,13 +207,15 @@ class RedisLedger(Ledger):
             raise ConfigurationError(f"pool must be a non-empty name without braces, got {pool!r}")
         self.url, self.pool = url, pool
         self.keys = [f"{{ck:{pool}}}:{name}" for name in _KEYS]
-        import redis as redis_module
-
-        self._errors: tuple[type[Exception], ...] = (redis_module.ConnectionError, redis_module.TimeoutError)
-        self.client: redis.Redis = client or redis_module.Redis.from_url(
-            url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=30
-        )
+        self._errors = connection_errors()
+        try:
+            # A cluster client reads the slot layout here: a cluster with no node up is unavailable at once.
+            self.client: Any = client or connect(url)
+        except self._errors as error:
+            raise _unavailable(url, error) from error
         self._async_client: Any = None
+        # Registered scripts run as EVALSHA (loaded again where a server lacks them: a restart, another cluster
+        # node); every key of a script shares the pool's hash tag, so a cluster sends it to the one slot's node.
         self._scripts = {name: self.client.register_script(text) for name, text in _SCRIPTS.items()}
         self._held: dict[int, Ticket] = {}  # fence id -> ticket of this process
         self._fences: weakref.WeakKeyDictionary[Ticket, int] = weakref.WeakKeyDictionary()
@@ -260,12 +261,11 @@ class RedisLedger(Ledger):
         loop = asyncio.get_running_loop()
         if self._async_client is None or self._async_client[0] is not loop:
             # An asyncio client belongs to the loop it was made on: one per loop (asyncio.run makes a new one).
-            import redis.asyncio as aioredis
-
-            client = aioredis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=5)
-            self._async_client = (loop, client)
+            client = connect(self.url, asynchronous=True)
+            scripts = {key: client.register_script(text) for key, text in _SCRIPTS.items()}
+            self._async_client = (loop, client, scripts)
         try:
-            return await self._async_client[1].eval(_SCRIPTS[name], len(self.keys), *self.keys, *args)
+            return await self._async_client[2][name](keys=self.keys, args=list(args))
         except self._errors as error:
             raise _unavailable(self.url, error) from error
 

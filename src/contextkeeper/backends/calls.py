@@ -45,6 +45,7 @@ from .._exceptions import (
     TransportError,
 )
 from ..dialects import DIALECTS
+from ..shared import ServerFacts
 from .base import Backend, Reply, Request
 from .errors import Attempted, Failure, classify, provider_error
 from .servers import Drift, fewer_advice, kind_of_error
@@ -52,6 +53,7 @@ from .servers import Drift, fewer_advice, kind_of_error
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper, Fit, Reserve
     from ..ledger import Ledger, Ticket
+    from ..shared import SharedState
     from ..transcript import TranscriptEntry
 
 __all__ = ["CallReport", "DriftWarning", "ServerState", "call_async", "call_sync"]
@@ -83,6 +85,20 @@ class ServerState:
     last_drift: int | None = None
     kind: str | None = None  # the server software, when recognised: "vllm", "llama.cpp", "ollama", "openai"
     drifts: deque[int] = field(default_factory=lambda: deque(maxlen=8), repr=False)  # the latest measured
+    shared: ServerFacts | None = field(default=None, repr=False)  # the facts as last read from or shared with replicas
+
+    def facts(self) -> ServerFacts:
+        """What replicas share of this state."""
+        return ServerFacts(
+            limit=self.limit, hidden=self.hidden, measured=self.measured, confirmed=self.confirmed, kind=self.kind
+        )
+
+    def adopt(self, facts: ServerFacts) -> None:
+        """Take what another replica learned."""
+        self.limit, self.hidden, self.measured = facts.limit, facts.hidden, facts.measured
+        self.confirmed = facts.confirmed
+        self.kind = self.kind or facts.kind
+        self.shared = facts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,12 +139,35 @@ class Calls:
     ledger: Ledger | None = None
     transcript: Any = None
     calls: int = 0
+    shared: SharedState | None = None  # what replicas learn once (ContextKeeper(shared=...))
 
     def server(self, name: str, kind: str | None = None) -> ServerState:
         with self.lock:
             state = self.servers.setdefault(name, ServerState())
             state.kind = state.kind or kind
             return state
+
+    def pull(self, name: str) -> None:
+        """Take what other replicas learned about server ``name`` since this process last looked."""
+        if self.shared is None:
+            return
+        facts = self.shared.server(name)
+        with self.lock:
+            state = self.servers.setdefault(name, ServerState())
+            if facts is not None and facts != state.shared:
+                state.adopt(facts)
+
+    def push(self, name: str) -> None:
+        """Share what this process learned about server ``name``, when it changed."""
+        if self.shared is None:
+            return
+        with self.lock:
+            state = self.servers.setdefault(name, ServerState())
+            facts = state.facts()
+            if facts == state.shared:
+                return
+            state.shared = facts
+        self.shared.learn_server(name, facts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +246,9 @@ class Call:
 
     # ---------------------------------------------------------------------------------------- steps
     def begin(self) -> None:
-        """Write ahead: the caller's messages reach the transcript before anything is sent."""
+        """Write ahead: the caller's messages reach the transcript before anything is sent. With shared state,
+        take what other replicas learned about the server first."""
+        self.calls.pull(self.backend.server)
         transcript = self.calls.transcript
         if transcript is not None:
             inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
@@ -436,6 +477,7 @@ class Call:
                 if failure.excess and failure.limit is None:
                     # Only the overshoot is known: the server's limit is at most what we sent less that.
                     server.limit = min(server.limit or self.keeper.limit, sent - failure.excess)
+            self.calls.push(self.backend.server)
             if self._withheld() <= before:  # nothing new learned: step down, further each time
                 step = max(64, self.keeper.limit // 20)
                 self.shrink = max(step, 2 * self.shrink)
@@ -500,6 +542,7 @@ class Call:
                 warn = drift != 0 and not server.drift_warned
                 if warn:
                     server.drift_warned = True
+            self.calls.push(self.backend.server)
             if warn:
                 self._warn_drift(fit, reply.prompt_tokens, drift)
         if self.recoveries:

@@ -147,6 +147,8 @@ class FitState:
     turn: int = 0
     actions: tuple[Action, ...] = ()
     memory: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # This conversation's state shared with other processes (a shared.ConversationShare; None: this process only).
+    shared: Any = field(default=None, repr=False, compare=False)
 
     def tokens(self, history: Sequence[Items] | None = None) -> int:
         """Exact prompt tokens with ``history`` (default: the current history)."""

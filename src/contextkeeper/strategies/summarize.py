@@ -17,6 +17,11 @@ sources of the new one. Verified summaries are cached in ``state.memory["summari
 source units, so the same sources never cost a second model call; when the caller sends its full history again
 (one more turn on it), the summary of the unchanged prefix is found there and reused without a call as long as
 the prompt fits with it, and otherwise becomes the previous summary that the next call rolls forward.
+
+Across processes (``ContextKeeper(shared="redis://...")``, ``state.shared``), verified summaries are also stored
+in Redis under the same hashes, and a per-conversation lease decides who writes one: a process that finds the
+lease taken waits for that summary (``summary_wait``) and takes it, or fits without a summary when the wait runs
+out. Sources summarised once are summarised once, whichever replica fits them.
 """
 
 from __future__ import annotations
@@ -144,6 +149,12 @@ class Summarize(StrategySettings):
         before = state.tokens()
         keys = _prefix_keys(history, cut)
         cache = _cache(state)
+        share = state.shared
+        if share is not None and keys[cut] not in cache:
+            # Another process may have summarised these sources (or a shorter prefix): one look for all of them.
+            for source, text in share.find([keys[b] for b in range(cut, block, -1)]).items():
+                if source not in cache:
+                    _store(cache, source, _Entry.make(text))
         cached = next((b for b in range(cut, block, -1) if keys[b] in cache), None)
         if cached is not None:
             # A cached summary of a shorter prefix costs no call: take it when it covers the whole cut, when too
@@ -162,7 +173,22 @@ class Summarize(StrategySettings):
         else:
             previous = _summary_text(history[0]) if block else None
             start = block
-        outcome = yield from self._attempts(state, previous, history, start, cut)
+        claim = share.claim(keys[cut]) if share is not None else None
+        if isinstance(claim, str):  # another process summarised the same sources while this one waited
+            entry = _Entry.make(claim)
+            _store(cache, keys[cut], entry)
+            return self._replace(state, cut, entry, before, "written by another process of this conversation")
+        if share is not None and claim is None:
+            waited = share.shared.summary_wait
+            outcome = _Outcome(None, f"was left to another process holding this conversation (waited {waited:g} s)")
+        else:
+            try:
+                outcome = yield from self._attempts(state, previous, history, start, cut)
+                if outcome.summary is not None and share is not None:
+                    share.store(keys[cut], outcome.summary)
+            finally:
+                if claim is not None:
+                    claim.release()
         if outcome.summary is not None:
             entry = _Entry.make(outcome.summary)
             _store(cache, keys[cut], entry)
