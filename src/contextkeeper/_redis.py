@@ -163,41 +163,35 @@ def _timeouts(timeout: float) -> dict[str, Any]:
     return {"socket_timeout": timeout, "socket_connect_timeout": timeout}
 
 
-def _cluster_sync(url: str, target: RedisTarget | None, timeout: float) -> Any:
-    assert target is not None
-    cluster = _redis("redis.cluster")
-    nodes = [cluster.ClusterNode(host, port) for host, port in target.nodes]
-    return cluster.RedisCluster(startup_nodes=nodes, ssl=target.tls, **_timeouts(timeout), **target.options)
+def _cluster_in(module: str) -> Callable[[str, RedisTarget | None, float], Any]:
+    """The cluster client of ``module`` (``redis.cluster`` or ``redis.asyncio.cluster``: the same calls)."""
+
+    def make(url: str, target: RedisTarget | None, timeout: float) -> Any:
+        assert target is not None
+        cluster = _redis(module)
+        nodes = [cluster.ClusterNode(host, port) for host, port in target.nodes]
+        return cluster.RedisCluster(startup_nodes=nodes, ssl=target.tls, **_timeouts(timeout), **target.options)
+
+    return make
 
 
-def _cluster_async(url: str, target: RedisTarget | None, timeout: float) -> Any:
-    assert target is not None
-    cluster = _redis("redis.asyncio.cluster")
-    nodes = [cluster.ClusterNode(host, port) for host, port in target.nodes]
-    return cluster.RedisCluster(startup_nodes=nodes, ssl=target.tls, **_timeouts(timeout), **target.options)
+def _sentinel_in(module: str) -> Callable[[str, RedisTarget | None, float], Any]:
+    """The master client through the Sentinels of ``module`` (``redis.sentinel`` or ``redis.asyncio.sentinel``)."""
+
+    def make(url: str, target: RedisTarget | None, timeout: float) -> Any:
+        assert target is not None
+        assert target.service is not None
+        # The Sentinels get the same TLS and timeouts as the master, and only their own credentials.
+        own = {"ssl": target.tls, **_timeouts(timeout), **target.sentinel_options}
+        sentinel = _redis(module).Sentinel(list(target.nodes), sentinel_kwargs=own, **_timeouts(timeout))
+        options = {"db": target.db, "ssl": target.tls, **_timeouts(timeout), **target.options}
+        return sentinel.master_for(target.service, **options)
+
+    return make
 
 
-def _sentinel_kwargs(target: RedisTarget, timeout: float) -> dict[str, Any]:
-    # The Sentinels get the same TLS and timeouts as the master, and only their own credentials.
-    return {"ssl": target.tls, **_timeouts(timeout), **target.sentinel_options}
-
-
-def _sentinel_sync(url: str, target: RedisTarget | None, timeout: float) -> Any:
-    assert target is not None
-    assert target.service is not None
-    sentinel = _redis("redis.sentinel").Sentinel(
-        list(target.nodes), sentinel_kwargs=_sentinel_kwargs(target, timeout), **_timeouts(timeout)
-    )
-    return sentinel.master_for(target.service, db=target.db, ssl=target.tls, **_timeouts(timeout), **target.options)
-
-
-def _sentinel_async(url: str, target: RedisTarget | None, timeout: float) -> Any:
-    assert target is not None
-    assert target.service is not None
-    sentinel = _redis("redis.asyncio.sentinel").Sentinel(
-        list(target.nodes), sentinel_kwargs=_sentinel_kwargs(target, timeout), **_timeouts(timeout)
-    )
-    return sentinel.master_for(target.service, db=target.db, ssl=target.tls, **_timeouts(timeout), **target.options)
+_cluster_sync, _cluster_async = _cluster_in("redis.cluster"), _cluster_in("redis.asyncio.cluster")
+_sentinel_sync, _sentinel_async = _sentinel_in("redis.sentinel"), _sentinel_in("redis.asyncio.sentinel")
 
 
 _SINGLE = "redis://[[user]:password@]host[:port][/db]"
