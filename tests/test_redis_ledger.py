@@ -89,7 +89,9 @@ def test_first_come_first_served_across_ledgers(redis_server: RedisServer, pool:
             order.append(name)
             time.sleep(0.05)
 
-    first = threading.Thread(target=take, args=(big, 500, "big"))
+    # 960 + 50 is over the capacity: once the big call is in, the small one waits for it to end, so the order
+    # in which the two threads write down their admissions is the order of the admissions.
+    first = threading.Thread(target=take, args=(big, 960, "big"))
     first.start()
     time.sleep(0.2)  # the big call is queued first
     second = threading.Thread(target=take, args=(small, 50, "small"))
