@@ -9,11 +9,13 @@ parts.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -174,6 +176,30 @@ class PostgresServer(_Engine):
         done = subprocess.run([*initdb, "--no-sync"], capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"initdb failed: {done.stderr[-500:]}")
+
+    def start(self) -> Self:
+        """Start, and wait until sessions are accepted (it listens a moment before it is done starting up)."""
+        super().start()
+        deadline = time.monotonic() + 30
+        ready = [str(self.bin / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port), "-t", "5"]
+        while subprocess.run(ready, capture_output=True, timeout=10, check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"postgres on 127.0.0.1:{self.port} did not accept sessions within 30 s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        """A fast shutdown (SIGINT to the postmaster: sessions are ended), as an operator's restart does; SIGTERM,
+        a smart shutdown, would wait for every client to hang up."""
+        if self.process is None:
+            return
+        pid_file = self.data / "postmaster.pid"
+        if pid_file.exists():  # the process started may be runuser's; the postmaster's own pid is in this file
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pid_file.read_text().split()[0]), signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+        super().stop()
 
     def command(self) -> list[str]:
         return [

@@ -29,6 +29,7 @@ from ._exceptions import (
     StreamInterrupted,
     TemplateLimitExceeded,
     TokenizerNotFound,
+    TranscriptUnavailable,
     TransportError,
     UnknownCall,
     UnknownGPU,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
         recommend,
     )
     from .messages import ContentPart, Conversation, FunctionCall, Message, ToolCall, Unit, raw_view, server_view
+    from .pg_transcript import PostgresTranscript
     from .policy import Policy, load_policy, register_policy_path
     from .redis_ledger import LedgerUnavailable, RedisLedger
     from .report import Fit, FitReport
@@ -113,6 +115,7 @@ _LAZY: dict[str, str] = {
     "LedgerUnavailable": ".redis_ledger",
     "RedisLedger": ".redis_ledger",
     "ConversationShare": ".shared",
+    "PostgresTranscript": ".pg_transcript",
     "ServerFacts": ".shared",
     "SharedState": ".shared",
     "SharedUnavailable": ".shared",
@@ -226,6 +229,7 @@ __all__ = [
     "PlanSettings",
     "Policy",
     "PolicyError",
+    "PostgresTranscript",
     "Probe",
     "ProbeResult",
     "ProfileReport",
@@ -246,6 +250,7 @@ __all__ = [
     "ToolCall",
     "Transcript",
     "TranscriptEntry",
+    "TranscriptUnavailable",
     "TransportError",
     "Unit",
     "UnknownCall",

@@ -29,7 +29,9 @@ ContextKeeperError
     ├── OutOfMemory                the local model ran out of memory after every recovery
     └── TransportError             timeouts, connection drops, 429/5xx or malformed replies after every retry
         ├── StreamInterrupted      a stream that broke after it had yielded chunks (.partial: the text so far)
-        └── LedgerUnavailable      the shared KV ledger's Redis cannot be reached (redis_ledger.py: its wording)
+        ├── LedgerUnavailable      the shared KV ledger's Redis cannot be reached (redis_ledger.py: its wording)
+        ├── SharedUnavailable      the shared learned state's Redis cannot be reached (shared.py: its wording)
+        └── TranscriptUnavailable  the transcript's Postgres cannot be reached (pg_transcript.py: its wording)
 ```
 
 Every error may carry ``fix``: the setting or change that resolves it (the CLI prints it as its own field).
@@ -58,6 +60,7 @@ __all__ = [
     "StreamInterrupted",
     "TemplateLimitExceeded",
     "TokenizerNotFound",
+    "TranscriptUnavailable",
     "TransportError",
     "UnknownCall",
     "UnknownGPU",
@@ -263,3 +266,8 @@ class StreamInterrupted(TransportError):
         self.partial = partial
         self.chunks = chunks
         super().__init__(message, report=report, attempts=attempts, cause=cause)
+
+
+class TranscriptUnavailable(TransportError):
+    """The transcript's database could not be reached, at open or during a call (a restart, a network cut). The
+    message names the database (its URL without the password); the next call connects again."""

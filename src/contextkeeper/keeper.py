@@ -59,11 +59,12 @@ class ContextKeeper:
     ``policy``: a built-in name, a .toml file, a :class:`Policy`, or ``"auto"`` to match by model name.
     ``summarizer``: a callable taking an :class:`LLMCall` and returning text, for the summarize strategy.
 
-    Wrapped calls (:meth:`wrap`): ``transcript`` (None: in memory; a path: a SQLite file) keeps everything sent
-    and received; ``admission`` ("wait" or "shrink") and ``admission_timeout`` decide what a call does when
-    the calls in flight already hold the KV capacity, which is ``kv_capacity`` tokens when given (a server's
-    own figure, e.g. vLLM's "GPU KV cache size") or else planned from ``model`` and ``gpu`` at ``concurrency``;
-    ``monitor`` (a :class:`~contextkeeper.diagnose.MemoryMonitor`) is sampled after every call.
+    Wrapped calls (:meth:`wrap`): ``transcript`` (None: in memory; a path: a SQLite file; a ``postgresql://``
+    URL: Postgres, for every replica) keeps everything sent and received; ``admission`` ("wait" or "shrink")
+    and ``admission_timeout`` decide what a call does when the calls in flight already hold the KV capacity,
+    which is ``kv_capacity`` tokens when given (a server's own figure, e.g. vLLM's "GPU KV cache size") or else
+    planned from ``model`` and ``gpu`` at ``concurrency``; ``monitor`` (a
+    :class:`~contextkeeper.diagnose.MemoryMonitor`) is sampled after every call.
     ``server``: whose preprocessing counts follow (a name in :data:`~contextkeeper.dialects.DIALECTS`, default
     vLLM's), or ``"auto"``: the first :meth:`wrap` of an openai client asks that server once which it is.
 

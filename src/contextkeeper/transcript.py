@@ -14,7 +14,8 @@ tools list) is stored once under a hash of its JSON, and a call's message lists 
 message, message) nodes, so a call that extends the previous call's list adds only its new messages. The JSON
 keeps the caller's key order at every depth (a template renders keys in that order, so a replayed prompt counts
 as the sent one did). Index lists are stored as runs. :class:`MemoryTranscript` keeps this in dicts;
-:class:`SQLiteTranscript` in a SQLite file (WAL mode) that survives restarts.
+:class:`SQLiteTranscript` in a SQLite file (WAL mode) that survives restarts; ``PostgresTranscript``
+(:mod:`contextkeeper.pg_transcript`) in Postgres, shared by every process and replica.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import socket
 import sqlite3
 import sys
@@ -40,6 +42,7 @@ from .messages import MAX_DEPTH, Message, _problem
 
 __all__ = [
     "INTERRUPTED",
+    "URL_STORES",
     "MemoryTranscript",
     "SQLiteTranscript",
     "Transcript",
@@ -425,13 +428,11 @@ def _running(owner: str | None) -> bool:
     return now is None or now == started or not started.isdigit()
 
 
-def _status(row: _Row, running: dict[str | None, bool]) -> Status:
-    """The row's status; ``running`` caches the owners looked up in one read."""
+def _status(row: _Row, alive: Mapping[str, bool]) -> Status:
+    """The row's status; ``alive``: :meth:`Transcript._alive` of the owners of the rows read together."""
     if row.state == "done":
         return "failed" if row.error is not None else "ok"
-    if row.owner not in running:
-        running[row.owner] = _running(row.owner)
-    return "pending" if running[row.owner] else "interrupted"
+    return "pending" if row.owner is not None and alive.get(row.owner, False) else "interrupted"
 
 
 def _seen_size(message: object, seen: tuple[int, object, int]) -> int:
@@ -526,6 +527,12 @@ class Transcript:
     def _rollback(self) -> bool:
         """Undo a half-written entry; True when ids handed out since the last commit are gone with it."""
         return False
+
+    def _alive(self, owners: set[str]) -> dict[str, bool]:
+        """Whether the owner that began each call still "begun" may still be running it (``"pending"``) or has
+        ended (``"interrupted"``). Here: a process on this host, checked by pid and start time; other hosts are
+        given the benefit. A store shared across hosts overrides this with what it can see of every writer."""
+        return {owner: _running(owner) for owner in owners}
 
     # -- interning --------------------------------------------------------------------------------------
     def _blob(self, value: Any, text: str | None = None) -> int:
@@ -697,10 +704,11 @@ class Transcript:
             return parsed[blob]
 
         out = []
-        running: dict[str | None, bool] = {}
+        owners = {row.owner for row in rows if row.state != "done" and row.owner is not None}
+        alive = self._alive(owners) if owners else {}
         for row in rows:
             report = json.loads(row.report)
-            status = _status(row, running)
+            status = _status(row, alive)
             out.append(
                 TranscriptEntry(
                     call=row.call,
@@ -1086,12 +1094,44 @@ class SQLiteTranscript(Transcript):
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
 
+#: URL schemes ``transcript=`` takes, each with the ``module:class`` that stores transcripts there. The module is
+#: imported only when such a URL is given (its client library is an extra); the class has ``check_url(url)``
+#: (validates without connecting, raises :class:`ConfigurationError`) and is built as ``cls(url)``.
+URL_STORES: dict[str, str] = {
+    "postgresql": "contextkeeper.pg_transcript:PostgresTranscript",
+    "postgres": "contextkeeper.pg_transcript:PostgresTranscript",
+}
 
-def check_transcript(spec: Any) -> Transcript | Path | None:
-    """``spec`` as :func:`open_transcript` takes it, checked without opening anything: None, a
-    :class:`Transcript`, or the path of a SQLite file (new, or one this library wrote). Anything else is a
-    :class:`ConfigurationError` that names the value and the fix."""
-    fix = "pass transcript=None (in memory), a file path such as 'chat.sqlite', or a Transcript object"
+
+def safe_url(url: str) -> str:
+    """``url`` with its password (in the authority or as a ``password=`` parameter) shown as ``***``."""
+    head, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, tail = rest.partition("/")
+    user, at, host = authority.rpartition("@")
+    if at and ":" in user:
+        authority = f"{user.split(':', 1)[0]}:***@{host}"
+    tail = re.sub(r"(?i)(\bpassword=)[^&]*", r"\1***", tail)
+    return f"{head}{sep}{authority}{slash}{tail}"
+
+
+def _url_store(scheme: str) -> Any:
+    import importlib
+
+    module, _, name = URL_STORES[scheme].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def check_transcript(spec: Any) -> Transcript | Path | str | None:
+    """``spec`` as :func:`open_transcript` takes it, checked without opening or connecting to anything: None, a
+    :class:`Transcript`, the path of a SQLite file (new, or one this library wrote), or a database URL with a
+    scheme of :data:`URL_STORES` (returned as given). Anything else is a :class:`ConfigurationError` that names
+    the value and the fix."""
+    fix = (
+        "pass transcript=None (in memory), a file path such as 'chat.sqlite', a URL such as "
+        "'postgresql://user@host/db', or a Transcript object"
+    )
     if spec is None or isinstance(spec, Transcript):
         return spec
     if not isinstance(spec, (str, os.PathLike)) or isinstance(spec, bytes):
@@ -1100,10 +1140,16 @@ def check_transcript(spec: Any) -> Transcript | Path | None:
     if not text.strip():
         raise ConfigurationError(f"transcript={spec!r} is an empty path. Fix: {fix}")
     if "://" in text:
-        raise ConfigurationError(
-            f"transcript={text!r} is a URL; only SQLite files are supported as transcript paths. Fix: pass the path "
-            "of a SQLite file (e.g. 'chat.sqlite'), or a Transcript object of your own"
-        )
+        scheme = text.partition("://")[0].lower()
+        if scheme not in URL_STORES:
+            supported = ", ".join(f"{name}://" for name in URL_STORES)
+            raise ConfigurationError(
+                f"transcript={safe_url(text)!r} is a URL of scheme {scheme!r}; the URLs supported are {supported}. "
+                "Fix: pass a Postgres URL, the path of a SQLite file (e.g. 'chat.sqlite'), or a Transcript object "
+                "of your own"
+            )
+        _url_store(scheme).check_url(text)
+        return text
     path = Path(text).expanduser()
     if path.is_dir():
         raise ConfigurationError(
@@ -1132,11 +1178,15 @@ def check_transcript(spec: Any) -> Transcript | Path | None:
 
 
 def open_transcript(spec: Transcript | str | Path | None) -> Transcript:
-    """None: a :class:`MemoryTranscript`; a path: a :class:`SQLiteTranscript` there; a transcript: itself. A
-    bad value is a :class:`ConfigurationError` (see :func:`check_transcript`)."""
+    """None: a :class:`MemoryTranscript`; a path: a :class:`SQLiteTranscript` there; a URL: the store of its
+    scheme (``postgresql://``: a :class:`~contextkeeper.pg_transcript.PostgresTranscript`); a transcript: itself.
+    A bad value is a :class:`ConfigurationError` (see :func:`check_transcript`)."""
     checked = check_transcript(spec)
     if checked is None:
         return MemoryTranscript()
     if isinstance(checked, Transcript):
         return checked
+    if isinstance(checked, str):  # a URL (paths come back as Path)
+        store: Transcript = _url_store(checked.partition("://")[0].lower())(checked)
+        return store
     return SQLiteTranscript(checked)

@@ -1,0 +1,665 @@
+"""The transcript in Postgres: one history for every process and replica of an app.
+
+``ContextKeeper(..., transcript="postgresql://user@host/db")`` (or ``postgres://``) keeps the transcript in the
+tables of one Postgres schema (``schema=``, default ``contextkeeper``), so ``history(conversation)`` and
+``recover(call)`` answer the same on every replica, and a conversation that moves to another replica goes on where
+it was. Storage is the shared :class:`~contextkeeper.transcript.Transcript` logic (content-addressed messages, a
+trie of message lists, write-ahead calls) over these tables:
+
+- ``blobs (id, json)``: each distinct message, tools list or reply once; ``nodes (id, parent, blob)``: the trie
+  of message lists. A blob's id *is* its content hash (the 128-bit digest the other stores index by, as a uuid),
+  and a node's id the hash of its (parent, blob), so every replica names the same rows the same way without
+  asking the database: each write is one statement that upserts its new rows (``ON CONFLICT DO NOTHING``, in one
+  order everywhere so concurrent writers never deadlock) and writes the call's row, one round trip, committed
+  when it returns;
+- ``calls``: one row per call, numbered by an identity sequence (unique across replicas);
+- ``meta``: the schema's version. The library creates the schema and applies :data:`MIGRATIONS` in order, in one
+  transaction under an advisory lock, so replicas that start together migrate once; a schema newer than this
+  code is a :class:`ConfigurationError`.
+
+"Pending" vs "interrupted" is decided by the database, not by a pid on one host: a call is owned by the writer's
+database session (``pg_backend_pid()`` and its ``backend_start``), and reads "pending" while that session is in
+``pg_stat_activity``. A SIGKILLed process's connection closes with it, so its calls read "interrupted" from any
+replica; a host that vanishes is noticed by the server's TCP keepalives (set per session, about 30 s).
+
+A database that cannot be reached (at open, restarted, the network cut) is a :class:`TranscriptUnavailable`
+naming the URL without its password; the next use connects again, and calls this process began on the lost
+session are owned by the new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import select
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from ._exceptions import ConfigurationError, ContextKeeperError, TranscriptUnavailable, UnknownCall
+from .transcript import Transcript, _Row, safe_url
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = ["MIGRATIONS", "PostgresTranscript", "TranscriptUnavailable"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Migration:
+    """One step of the schema: ``statements`` (SQL, ``{schema}`` for the quoted schema name) take a schema at
+    ``version - 1`` to ``version``."""
+
+    version: int
+    name: str
+    statements: tuple[str, ...]
+
+
+#: The schema's history, oldest first; a schema at version N has had the first N applied.
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        version=1,
+        name="entries: content-addressed messages, the trie of message lists, one row per call",
+        statements=(
+            "CREATE TABLE {schema}.blobs (id uuid PRIMARY KEY, json text NOT NULL)",
+            "CREATE TABLE {schema}.nodes (id uuid PRIMARY KEY, parent uuid NOT NULL, blob uuid NOT NULL)",
+            """CREATE TABLE {schema}.calls (
+                call bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                conversation text NOT NULL,
+                time double precision NOT NULL,
+                inputs uuid NOT NULL,
+                sent uuid NOT NULL,
+                tools uuid,
+                received uuid,
+                dropped text NOT NULL,
+                rewritten text NOT NULL,
+                report text NOT NULL,
+                usage text,
+                error text,
+                attempts integer NOT NULL
+            )""",
+            "CREATE INDEX calls_by_conversation ON {schema}.calls (conversation, call)",
+        ),
+    ),
+    Migration(
+        version=2,
+        name="write-ahead: a call's inputs are stored before it is sent, owned by the session that sends it",
+        statements=(
+            "ALTER TABLE {schema}.calls ADD COLUMN state text NOT NULL DEFAULT 'done' "
+            "CHECK (state IN ('begun', 'done')), ADD COLUMN owner text",
+        ),
+    ),
+)
+_LATEST = MIGRATIONS[-1].version
+assert [m.version for m in MIGRATIONS] == list(range(1, _LATEST + 1)), "migrations are numbered 1, 2, ..."
+
+# Set on every session (with statement_timeout, so a statement that hangs on a lock fails instead): the server drops
+# the session of a host that vanished (no FIN) within about idle + interval * count seconds, and its calls read
+# "interrupted".
+_SERVER_KEEPALIVE = {"tcp_keepalives_idle": "15", "tcp_keepalives_interval": "5", "tcp_keepalives_count": "3"}
+# libpq's own, unless the URL sets them: the client notices a dead server as soon.
+_CLIENT_KEEPALIVE = {"keepalives": "1", "keepalives_idle": "15", "keepalives_interval": "5", "keepalives_count": "3"}
+
+_NODE = b"ck.trie.node"  # blake2b personalisation: a node's hash never equals a blob's
+
+_COLUMNS = (
+    "call, conversation, time, inputs, sent, tools, received, dropped, rewritten, report, usage, error, attempts, "
+    "state, owner"
+)
+_UPSERT = """
+WITH b AS (
+    INSERT INTO {schema}.blobs (id, json) SELECT * FROM unnest(%s::uuid[], %s::text[]) ON CONFLICT (id) DO NOTHING
+), n AS (
+    INSERT INTO {schema}.nodes (id, parent, blob) SELECT * FROM unnest(%s::uuid[], %s::uuid[], %s::uuid[])
+    ON CONFLICT (id) DO NOTHING
+)
+"""
+_STATEMENTS = {
+    "insert": _UPSERT
+    + """INSERT INTO {schema}.calls (conversation, time, inputs, sent, tools, received, dropped, rewritten, report,
+    usage, error, attempts, state, owner) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
+RETURNING call""",
+    "update": _UPSERT
+    + """UPDATE {schema}.calls SET inputs = %s, sent = %s, tools = %s, received = %s, dropped = %s, rewritten = %s,
+    report = %s, usage = %s, error = %s, attempts = %s, state = %s WHERE call = %s
+RETURNING call""",
+    "path": """WITH RECURSIVE chain (id, parent, blob, depth) AS (
+    SELECT id, parent, blob, 0 FROM {schema}.nodes WHERE id = %s
+    UNION ALL
+    SELECT n.id, n.parent, n.blob, c.depth + 1 FROM {schema}.nodes n JOIN chain c ON n.id = c.parent
+) SELECT blob FROM chain ORDER BY depth DESC""",
+    # Every ancestor of the given nodes once (UNION stops where paths share a prefix); the paths are put
+    # together here.
+    "ancestors": """WITH RECURSIVE up (id, parent, blob) AS (
+    SELECT id, parent, blob FROM {schema}.nodes WHERE id = ANY(%s::uuid[])
+    UNION
+    SELECT n.id, n.parent, n.blob FROM {schema}.nodes n JOIN up ON n.id = up.parent
+) SELECT id, parent, blob FROM up""",
+    "texts": "SELECT id, json FROM {schema}.blobs WHERE id = ANY(%s::uuid[])",
+    "count": "SELECT count(*) FROM {schema}.calls",
+    "reown": "UPDATE {schema}.calls SET owner = %s WHERE call = ANY(%s::bigint[]) AND state = 'begun'",
+    "version": "SELECT value FROM {schema}.meta WHERE key = 'version'",
+    "set_version": "INSERT INTO {schema}.meta (key, value) VALUES ('version', %s) "
+    "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+    "meta": "CREATE TABLE IF NOT EXISTS {schema}.meta (key text PRIMARY KEY, value text NOT NULL)",
+    "create": "CREATE SCHEMA IF NOT EXISTS {schema}",
+}
+_STATEMENTS.update(
+    {
+        "select_one": f"SELECT {_COLUMNS} FROM {{schema}}.calls WHERE call = %s",
+        "select_of": f"SELECT {_COLUMNS} FROM {{schema}}.calls WHERE conversation = %s ORDER BY call",
+        "select_last_of": f"SELECT {_COLUMNS} FROM {{schema}}.calls WHERE conversation = %s ORDER BY call DESC LIMIT 1",
+        "select_all": f"SELECT {_COLUMNS} FROM {{schema}}.calls ORDER BY call",
+        "select_last": f"SELECT {_COLUMNS} FROM {{schema}}.calls ORDER BY call DESC LIMIT 1",
+    }
+)
+# The writer's session, as stored with the calls it begins, and the settings every session gets.
+_SESSION = (
+    "SELECT pg_backend_pid(), (SELECT (extract(epoch FROM backend_start) * 1000000)::bigint FROM pg_stat_activity "
+    "WHERE pid = pg_backend_pid()), "
+    + ", ".join(f"set_config('{name}', %s, false)" for name in (*_SERVER_KEEPALIVE, "statement_timeout"))
+)
+_SESSIONS = (
+    "SELECT pid, (extract(epoch FROM backend_start) * 1000000)::bigint FROM pg_stat_activity WHERE pid = ANY(%s)"
+)
+
+
+# What each parameter of the two writes is, and how each path sends it: the reference through psycopg's adapters,
+# the fast one as the text libpq sends (no adaptation: half the time of a write on loopback).
+_ARRAYS = ("uuid[]", "text[]", "uuid[]", "uuid[]", "uuid[]")
+_CONTENT = ("uuid", "uuid", "uuid", "uuid", "text", "text", "text", "text", "text", "int", "text")
+_KINDS = {
+    "insert": (*_ARRAYS, "text", "float", *_CONTENT, "text"),
+    "update": (*_ARRAYS, *_CONTENT, "int"),
+}
+_PREPARED = {"insert": b"ck_transcript_insert", "update": b"ck_transcript_update"}
+
+
+def _uuid(value: int) -> uuid.UUID:
+    return uuid.UUID(int=value)
+
+
+def _quoted_element(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_ADAPT: dict[str, Any] = {
+    "uuid[]": lambda ids: [_uuid(i) for i in ids],
+    "text[]": list,
+    "uuid": lambda i: None if i is None else _uuid(i),
+    "text": lambda v: v,
+    "float": lambda v: v,
+    "int": lambda v: v,
+}
+_ENCODE: dict[str, Any] = {
+    "uuid[]": lambda ids: ("{" + ",".join(f"{i:032x}" for i in ids) + "}").encode(),
+    "text[]": lambda texts: ("{" + ",".join(map(_quoted_element, texts)) + "}").encode(),
+    "uuid": lambda i: f"{i:032x}".encode(),
+    "text": str.encode,
+    "float": lambda v: repr(float(v)).encode(),
+    "int": lambda v: str(int(v)).encode(),
+}
+
+
+def _numbered(statement: str) -> bytes:
+    """``statement`` with libpq's ``$1, $2, ...`` for psycopg's ``%s`` placeholders."""
+    count = iter(range(1, statement.count("%s") + 1))
+    return re.sub("%s", lambda _: f"${next(count)}", statement).encode()
+
+
+def _node_id(parent: int, blob: int) -> int:
+    data = parent.to_bytes(16, "big") + blob.to_bytes(16, "big")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16, person=_NODE).digest(), "big")
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _password(url: str) -> str | None:
+    import psycopg
+
+    try:
+        found = psycopg.conninfo.conninfo_to_dict(url).get("password")
+    except psycopg.Error:
+        return None
+    return str(found) if found else None
+
+
+def _clean(text: str, secret: str | None) -> str:
+    """One line of ``text`` (an error of libpq or the server), without ``secret`` in it."""
+    if secret:
+        text = text.replace(secret, "***")
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class PostgresTranscript(Transcript):
+    """Entries in Postgres at ``url``, in the tables of ``schema``, shared by every process and replica that opens
+    the same database and schema; call numbers come from one sequence there.
+
+    One connection (the writer's session, which owns the calls this process begins) shared by threads under the
+    transcript's lock, in autocommit: every write is one statement. ``connect_timeout`` and ``statement_timeout``
+    (seconds) bound every wait for the database; libpq settings in the URL (``sslmode``, ``options``, ...) are used
+    as given and win over this class's defaults (but ``client_encoding``, always UTF8).
+
+    ``fast_writes`` (class attribute, True): a write sends its parameters to libpq as the text it sends anyway;
+    False takes the reference path through psycopg's adapters (the tests hold the two equal).
+    """
+
+    fast_writes = True
+
+    def __init__(
+        self, url: str, *, schema: str = "contextkeeper", connect_timeout: float = 5.0, statement_timeout: float = 30.0
+    ) -> None:
+        super().__init__()
+        self.check_url(url)
+        if not isinstance(schema, str) or not schema or "\x00" in schema or len(schema.encode()) > 63:
+            raise ConfigurationError(
+                f"schema={schema!r} is not a Postgres schema name. Fix: pass a name of 1 to 63 bytes, e.g. "
+                "schema='contextkeeper'"
+            )
+        for name, value in (("connect_timeout", connect_timeout), ("statement_timeout", statement_timeout)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+        import psycopg
+
+        self.url, self.schema = url, schema
+        self._safe = safe_url(url)
+        self._secret = _password(url) or _password_of(url)
+        given = psycopg.conninfo.conninfo_to_dict(url)
+        defaults = {"connect_timeout": str(max(2, math.ceil(connect_timeout))), "application_name": "contextkeeper"}
+        merged = {**defaults, **_CLIENT_KEEPALIVE, **given, "client_encoding": "UTF8"}  # what the fast path sends
+        self._conninfo = psycopg.conninfo.make_conninfo("", **merged)
+        self._settings = [*_SERVER_KEEPALIVE.values(), f"{round(statement_timeout * 1000)}ms"]
+        quoted = _quote(schema)
+        self._sql = {name: text.replace("{schema}", quoted) for name, text in _STATEMENTS.items()}
+        self._lock_key = int.from_bytes(
+            hashlib.blake2b(f"ck.transcript:{schema}".encode(), digest_size=8).digest(), "big"
+        )
+        self._lock_key -= 1 << 63  # a signed bigint
+        self._db: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._pid = os.getpid()
+        self._owner = ""
+        self._prepared: set[str] = set()  # the fast writes prepared on the current session
+        self._closed = False
+        # Rows of the write in progress, sent with its call's row (id -> text; id -> (parent, blob)).
+        self._new_blobs: dict[int, str] = {}
+        self._new_nodes: dict[int, tuple[int, int]] = {}
+        self._dirty = False  # ids were handed out (or a statement sent) since the last write ended
+        with self._lock:
+            self._migrate(self._connection())
+
+    @staticmethod
+    def check_url(url: str) -> None:
+        """Raise :class:`ConfigurationError` unless ``url`` is a Postgres URL libpq can read (nothing connects)."""
+        try:
+            import psycopg
+        except ImportError:
+            raise ConfigurationError(
+                f"transcript={safe_url(url)!r} needs psycopg 3, which is not installed. Fix: pip install "
+                "'contextkeeper[shared]'"
+            ) from None
+        if not url.lower().startswith(("postgresql://", "postgres://")):
+            raise ConfigurationError(f"{safe_url(url)!r} is not a postgresql:// or postgres:// URL")
+        fix = "write it as postgresql://user[:password]@host[:port]/database[?param=value]"
+        try:
+            given = psycopg.conninfo.conninfo_to_dict(url)
+        except psycopg.Error as error:
+            raise ConfigurationError(
+                f"transcript={safe_url(url)!r} is not a Postgres URL libpq can read "
+                f"({_clean(str(error), _password_of(url))}). Fix: {fix}"
+            ) from None
+        ports = str(given.get("port") or "5432").split(",")  # (one per host where the URL names several)
+        if not all(port.isdigit() and 0 < int(port) < 65536 for port in ports):
+            raise ConfigurationError(
+                f"transcript={safe_url(url)!r} names port {given['port']!r}, not a port number. Fix: {fix}"
+            )
+
+    def __repr__(self) -> str:
+        return f"PostgresTranscript({self._safe!r}, schema={self.schema!r})"
+
+    # ---------------------------------------------------------------------------------------- connection
+    def _unavailable(self, error: BaseException, lost: bool = True) -> TranscriptUnavailable:
+        what = "cannot be reached" if lost else "did not complete a statement"
+        failure = TranscriptUnavailable(
+            f"the transcript database at {self._safe} {what} ({type(error).__name__}: "
+            f"{_clean(str(error), self._secret)}). Fix: start Postgres there or correct transcript=... (the next call "
+            "connects again)",
+            cause=error,
+        )
+        failure.fix = "start Postgres at the transcript URL, or correct transcript=..."
+        return failure
+
+    def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
+        import psycopg
+
+        try:
+            db = psycopg.connect(self._conninfo, autocommit=True)
+        except psycopg.OperationalError as error:
+            raise self._unavailable(error) from None  # (the chained error would print the libpq text as is)
+        try:
+            found = db.execute(_SESSION, self._settings).fetchone()
+            assert found is not None
+            self._owner = f"pg/{found[0]}/{found[1]}"
+            self._prepared = set()  # a new session has none of our statements
+            if self._begun:  # calls this process is still making: the new session carries them on
+                db.execute(self._sql["reown"], (self._owner, list(self._begun)))
+        except psycopg.OperationalError as error:
+            db.close()
+            raise self._unavailable(error) from None
+        return db
+
+    def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
+        if self._closed:
+            raise ContextKeeperError(f"the transcript {self._safe} is closed")
+        if self._pid != os.getpid():
+            # A forked child: the connection is the parent's (psycopg leaves it open for the parent), and so are
+            # the calls it began.
+            self._db, self._pid = None, os.getpid()
+            self._begun.clear()
+        db = self._db
+        if db is not None and (db.broken or db.closed or _gone(db)):
+            db.close()
+            self._db = db = None
+        if db is None:
+            db = self._db = self._connect()
+        return db
+
+    def _run(
+        self, name: str, params: Sequence[Any] = (), db: psycopg.Connection[tuple[Any, ...]] | None = None
+    ) -> list[tuple[Any, ...]]:
+        import psycopg
+
+        db = db or self._connection()
+        try:
+            cursor = db.execute(self._sql[name], params, prepare=True)
+            return cursor.fetchall() if cursor.description is not None else []
+        except psycopg.OperationalError as error:
+            lost = db.broken or db.closed
+            if lost:
+                db.close()
+                self._db = None
+            raise self._unavailable(error, lost) from None
+
+    def _migrate(self, db: psycopg.Connection[tuple[Any, ...]]) -> None:
+        """Bring the schema to :data:`MIGRATIONS`' latest version (once, however many replicas start at once)."""
+        import psycopg
+
+        version = self._version(db)
+        if version == _LATEST:
+            return  # no DDL, no lock: a role that may only read and write the tables opens a migrated schema
+        self._check_version(version)
+        try:
+            with db.transaction():
+                # Held until the transaction ends: a replica starting alongside waits here, then sees our version.
+                db.execute("SELECT pg_advisory_xact_lock(%s)", (self._lock_key,))
+                db.execute(self._sql["create"])
+                db.execute(self._sql["meta"])
+                version = self._version(db)
+                self._check_version(version)
+                for migration in MIGRATIONS[version:]:
+                    for statement in migration.statements:
+                        db.execute(statement.replace("{schema}", _quote(self.schema)))
+                db.execute(self._sql["set_version"], (str(_LATEST),))
+        except psycopg.OperationalError as error:
+            raise self._unavailable(error, db.broken or db.closed) from None
+        except psycopg.Error as error:
+            raise ConfigurationError(
+                f"the transcript schema {self.schema!r} at {self._safe} cannot be created or migrated to version "
+                f"{_LATEST} ({type(error).__name__}: {_clean(str(error), self._secret)}). Fix: let this role create "
+                "schemas in the database, or open it once as a role that may (later opens need no DDL)"
+            ) from None
+
+    def _version(self, db: psycopg.Connection[tuple[Any, ...]]) -> int:
+        import psycopg
+
+        try:
+            found = db.execute("SELECT to_regclass(%s)", (f"{_quote(self.schema)}.meta",)).fetchone()
+            if found is None or found[0] is None:
+                return 0
+            row = db.execute(self._sql["version"]).fetchone()
+        except psycopg.OperationalError as error:
+            raise self._unavailable(error, db.broken or db.closed) from None
+        return int(row[0]) if row else 0
+
+    def _check_version(self, version: int) -> None:
+        if version > _LATEST:
+            raise ConfigurationError(
+                f"the transcript schema {self.schema!r} at {self._safe} is at version {version}, newer than this "
+                f"contextkeeper knows (up to {_LATEST}): a newer release migrated it. Fix: upgrade contextkeeper here "
+                "(every replica of one schema runs the newest release), or pass another schema="
+            )
+
+    # ---------------------------------------------------------------------------------------- primitives
+    # Ids are content hashes, known without asking: nothing is looked up before it is stored, and what a write
+    # stores goes with its call's row in one statement.
+    def _store_blob(self, digest: str, text: str) -> int:
+        blob = int(digest, 16)
+        self._new_blobs[blob] = text
+        self._dirty = True
+        return blob
+
+    def _find_blob(self, digest: str) -> int | None:
+        return None
+
+    def _store_node(self, parent: int, blob: int) -> int:
+        node = _node_id(parent, blob)
+        self._new_nodes[node] = (parent, blob)
+        self._dirty = True
+        return node
+
+    def _find_node(self, parent: int, blob: int) -> int | None:
+        return None
+
+    def _upserts(self) -> list[Any]:
+        """The new rows as the five arrays of the upsert (ids as ints), each table's in id order: writers that
+        share rows take their key locks in one order, so two never wait on each other."""
+        blobs, nodes = sorted(self._new_blobs.items()), sorted(self._new_nodes.items())
+        self._new_blobs, self._new_nodes = {}, {}
+        self._dirty = True
+        return [
+            [i for i, _ in blobs],
+            [text for _, text in blobs],
+            [i for i, _ in nodes],
+            [p for _, (p, _) in nodes],
+            [b for _, (_, b) in nodes],
+        ]
+
+    def _prepare(self, name: str, db: psycopg.Connection[tuple[Any, ...]]) -> psycopg.pq.abc.PGresult | None:
+        """Prepare the write ``name`` once per session (the tables exist by then); the failed result, if it failed."""
+        import psycopg
+
+        if name in self._prepared:
+            return None
+        done = db.pgconn.prepare(_PREPARED[name], _numbered(self._sql[name]))
+        if done.status != psycopg.pq.ExecStatus.COMMAND_OK:
+            return done
+        self._prepared.add(name)
+        return None
+
+    def _write_row(self, name: str, values: list[Any], db: psycopg.Connection[tuple[Any, ...]]) -> int | None:
+        """Run the write ``name`` ("insert" or "update") with ``values`` in :data:`_KINDS` order; the call number it
+        returns (None: no such call)."""
+        kinds = _KINDS[name]
+        if not self.fast_writes:  # the reference: psycopg adapts every value
+            rows = self._run(name, [_ADAPT[kind](v) for kind, v in zip(kinds, values, strict=True)], db)
+            return int(rows[0][0]) if rows else None
+        import psycopg
+
+        params = [None if v is None else _ENCODE[kind](v) for kind, v in zip(kinds, values, strict=True)]
+        failure: Exception
+        try:
+            result = self._prepare(name, db) or db.pgconn.exec_prepared(_PREPARED[name], cast(Any, params))
+        except psycopg.OperationalError as error:  # it could not be sent: the connection is gone
+            failure = error
+        else:
+            if result.status == psycopg.pq.ExecStatus.TUPLES_OK:
+                return int(result.get_value(0, 0) or b"0") if result.ntuples else None
+            failure = psycopg.errors.error_from_result(result, encoding="utf-8")  # as the reference raises it
+            if db.pgconn.status == psycopg.pq.ConnStatus.OK and not isinstance(failure, psycopg.OperationalError):
+                raise failure
+        lost = db.pgconn.status != psycopg.pq.ConnStatus.OK
+        if lost:
+            db.close()
+            self._db = None
+        raise self._unavailable(failure, lost) from None
+
+    def _blob_texts(self, ids: set[int]) -> dict[int, str]:
+        if not ids:
+            return {}
+        return {r[0].int: str(r[1]) for r in self._run("texts", ([_uuid(i) for i in ids],))}
+
+    def _path(self, node: int) -> list[int]:
+        if not node:
+            return []
+        return [r[0].int for r in self._run("path", (_uuid(node),))]
+
+    def _paths_of(self, nodes: set[int]) -> dict[int, list[int]]:
+        wanted = [n for n in nodes if n]
+        if len(wanted) <= 1:
+            return super()._paths_of(nodes)
+        parents = {r[0].int: (r[1].int, r[2].int) for r in self._run("ancestors", ([_uuid(n) for n in wanted],))}
+        out: dict[int, list[int]] = {}
+        for node in nodes:
+            path: list[int] = []
+            at = node
+            while at:
+                at, blob = parents[at]
+                path.append(blob)
+            out[node] = path[::-1]
+        return out
+
+    def _insert(self, row: _Row) -> int:
+        db = self._connection()  # first: the owner is this session's
+        owner = None if row.owner is None else self._owner  # begun by this process: owned by its session
+        call = self._write_row("insert", [*self._upserts(), row.conversation, row.time, *_content(row), owner], db)
+        assert call is not None  # an insert returns its row
+        return call
+
+    def _update(self, row: _Row) -> None:
+        values = [*self._upserts(), *_content(row), row.call]
+        db = self._connection()
+        if self._write_row("update", values, db) is None:
+            raise UnknownCall(f"the transcript {self._safe} holds no call {row.call}")
+
+    def _commit(self) -> None:
+        self._dirty = False  # each write was one statement, committed when it returned
+
+    def _rollback(self) -> bool:
+        # The write's statement failed (and took nothing with it) or was never sent: ids handed out since the last
+        # write are not stored, and the caches that hold them must go.
+        dirty, self._dirty = self._dirty, False
+        self._new_blobs, self._new_nodes = {}, {}
+        return dirty
+
+    def _alive(self, owners: set[str]) -> dict[str, bool]:
+        sessions: dict[str, tuple[int, str]] = {}
+        out: dict[str, bool] = {}
+        for owner in owners:
+            kind, _, rest = owner.partition("/")
+            number, _, started = rest.partition("/")
+            if kind == "pg" and number.isdigit():
+                sessions[owner] = (int(number), started)
+            else:  # not a session's (never written by this class): the base rule
+                out.update(super()._alive({owner}))
+        if sessions:
+            pids = sorted({pid for pid, _ in sessions.values()})
+            found = {int(r[0]): r[1] for r in self._run_sessions(pids)}
+            for owner, (session, started) in sessions.items():
+                # A session of another role shows its pid but not its start (no pg_read_all_stats): alive.
+                out[owner] = session in found and (found[session] is None or str(found[session]) == started)
+        return out
+
+    def _run_sessions(self, pids: list[int]) -> list[tuple[Any, ...]]:
+        import psycopg
+
+        db = self._connection()
+        try:
+            return db.execute(_SESSIONS, (pids,), prepare=True).fetchall()
+        except psycopg.OperationalError as error:
+            if db.broken or db.closed:
+                self._db = None
+            raise self._unavailable(error, db.broken or db.closed) from None
+
+    def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
+        if call is not None:
+            rows = self._run("select_one", (call,))
+            rows = [r for r in rows if conversation is None or r[1] == conversation]
+        elif conversation is not None:
+            rows = self._run("select_last_of" if last else "select_of", (conversation,))
+        else:
+            rows = self._run("select_last" if last else "select_all")
+        return [
+            _Row(
+                call=int(r[0]),
+                conversation=str(r[1]),
+                time=float(r[2]),
+                inputs=r[3].int,
+                sent=r[4].int,
+                tools=None if r[5] is None else r[5].int,
+                received=None if r[6] is None else r[6].int,
+                dropped=str(r[7]),
+                rewritten=str(r[8]),
+                report=str(r[9]),
+                usage=None if r[10] is None else str(r[10]),
+                error=None if r[11] is None else str(r[11]),
+                attempts=int(r[12]),
+                state=str(r[13]),
+                owner=None if r[14] is None else str(r[14]),
+            )
+            for r in rows
+        ]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return int(self._run("count")[0][0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._db is not None and self._pid == os.getpid():
+                self._db.close()
+            self._db = None
+
+
+def _content(row: _Row) -> list[Any]:
+    """The columns both the insert and the update write, in their order."""
+    return [
+        row.inputs,
+        row.sent,
+        row.tools,
+        row.received,
+        row.dropped,
+        row.rewritten,
+        row.report,
+        row.usage,
+        row.error,
+        row.attempts,
+        row.state,
+    ]
+
+
+def _password_of(url: str) -> str | None:
+    """The password in ``url``'s authority, read without libpq (for the message of a URL libpq refused)."""
+    authority = url.partition("://")[2].partition("/")[0]
+    user, at, _ = authority.rpartition("@")
+    return user.partition(":")[2] or None if at else None
+
+
+def _gone(db: psycopg.Connection[tuple[Any, ...]]) -> bool:
+    """Whether an idle connection was closed by the server (a restart, an admin): checked without a round trip, so
+    the next statement goes to a new session instead of failing on the dead one."""
+    import psycopg
+
+    try:
+        for _ in range(4):  # a server that ends a session sends a FATAL message, then closes: read both
+            readable, _, _ = select.select([db.pgconn.socket], [], [], 0)
+            if not readable:
+                break
+            db.pgconn.consume_input()  # raises at the end of the stream
+    except (psycopg.OperationalError, OSError, ValueError):
+        return True
+    return db.pgconn.status != psycopg.pq.ConnStatus.OK
