@@ -25,6 +25,8 @@ from contextkeeper import _exceptions
 OUTSIDE_THE_TREE: dict[str, str] = {
     "contextkeeper.cli.UsageError": "the command line's own error: exit code 2, never raised to Python callers",
     "contextkeeper.testing.settings.SettingsError": "the pytest plugin's bad-setting error; it fails the test using it",
+    "contextkeeper.proxy.identity.InvalidConversation": "the proxy's check of a request's conversation id; it is "
+    "answered as a 400 to the HTTP client, never raised to Python callers",
 }
 
 # Runs in the fresh interpreter; prints, for every public exception class a module defines, its ancestors.

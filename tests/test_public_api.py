@@ -108,7 +108,21 @@ TRANSCRIPT = "behind open_transcript, which returns a Transcript; callers use th
 ENGINE = "one fit's internals behind ContextKeeper.fit; what callers see is the Fit it returns"
 SESSION = "what a keeper keeps per conversation between fits (bounded by ContextKeeper(conversations=))"
 COUNTER_ABILITY = "an optional counter ability: a custom counter opts in by defining the method (no import)"
+PROXY_API = "the proxy's own parts (contextkeeper.proxy), behind `contextkeeper serve`; importable from there"
 INTERNAL: dict[str, str] = {
+    "contextkeeper.proxy.DebugStore": PROXY_API,
+    "contextkeeper.proxy.Exchange": PROXY_API,
+    "contextkeeper.proxy.Identity": PROXY_API,
+    "contextkeeper.proxy.ModelEntry": PROXY_API,
+    "contextkeeper.proxy.Proxy": PROXY_API,
+    "contextkeeper.proxy.ProxyConfig": PROXY_API,
+    "contextkeeper.proxy.ProxyServer": PROXY_API,
+    "contextkeeper.proxy.Route": PROXY_API,
+    "contextkeeper.proxy.build_routes": PROXY_API,
+    "contextkeeper.proxy.default_config": PROXY_API,
+    "contextkeeper.proxy.identify": PROXY_API,
+    "contextkeeper.proxy.identity.InvalidConversation": PROXY_API,
+    "contextkeeper.proxy.load_config": PROXY_API,
     "contextkeeper.dialects.PromptEnd": "a part of a Dialect (what a server adds after one template family's prompt)",
     "contextkeeper.detection.Sign": "one entry of detection.SIGNS (an endpoint and its reading), for adding a sign",
     "contextkeeper.backends.Backend": BACKEND_API,

@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
     from .messages import ContentPart, Conversation, FunctionCall, Message, ToolCall, Unit, raw_view, server_view
     from .pg_transcript import PostgresTranscript
     from .policy import Policy, load_policy, register_policy_path
+    from .proxy.config import ProxyConfigError
     from .redis_ledger import LedgerUnavailable, RedisLedger
     from .report import Fit, FitReport
     from .shared import ConversationShare, ServerFacts, SharedState, SharedUnavailable, SummaryClaim
@@ -116,6 +117,7 @@ _LAZY: dict[str, str] = {
     "RedisLedger": ".redis_ledger",
     "ConversationShare": ".shared",
     "PostgresTranscript": ".pg_transcript",
+    "ProxyConfigError": ".proxy.config",
     "ServerFacts": ".shared",
     "SharedState": ".shared",
     "SharedUnavailable": ".shared",
@@ -234,6 +236,7 @@ __all__ = [
     "ProbeResult",
     "ProfileReport",
     "ProviderError",
+    "ProxyConfigError",
     "Recommendation",
     "RedisLedger",
     "RequestTooLarge",

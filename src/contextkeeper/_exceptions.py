@@ -10,7 +10,8 @@ ContextKeeperError
 │   ├── UnknownModel               a model name that is no file, folder, cached hub id or catalog entry
 │   ├── UnknownGPU                 a GPU name not in the catalog (.matches: the closest names)
 │   ├── UnknownSymptom             a doctor symptom that does not exist
-│   └── PolicyError                a policy file with an unknown key or value, a file that is no policy
+│   ├── PolicyError                a policy file with an unknown key or value, a file that is no policy
+│   └── ProxyConfigError           a proxy config file with an unknown key, a bad value or an unbuildable entry
 ├── RequestTooLarge                the never-trimmed parts and the answer exceed the limit that binds (.needed, .limit)
 ├── InvariantViolation             a fit broke one of its guarantees (a bug in a strategy): refused, not returned
 ├── AdmissionTimeout               a call waited admission_timeout for KV room in the ledger (ledger.py: its wording)

@@ -212,6 +212,65 @@ def _policy(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from .proxy import Proxy, ProxyServer, default_config, load_config
+
+    top = {
+        "upstream": args.upstream,
+        "api_key": args.api_key or os.environ.get("CONTEXTKEEPER_PROXY_API_KEY") or None,
+        "upstream_api_key": args.upstream_api_key or os.environ.get("CONTEXTKEEPER_UPSTREAM_API_KEY") or None,
+        "attempts": args.attempts,
+    }
+    if args.config:
+        entry_flags = [
+            flag
+            for flag, value in (
+                ("--tokenizer", args.tokenizer),
+                ("--context-window", args.context_window),
+                ("--chat-template", args.chat_template),
+                ("--policy", args.policy),
+                ("--server", args.server),
+                ("--kv-capacity", args.kv_capacity),
+            )
+            if value is not None
+        ]
+        if entry_flags:
+            raise ConfigurationError(
+                f"serve: {', '.join(entry_flags)} describe a model entry, and --config has its own. Fix: put "
+                "them in a [[models]] entry of the config file, or leave out --config"
+            )
+        config = load_config(args.config, **top)
+    else:
+        config = default_config(
+            tokenizer=args.tokenizer,
+            context_window=args.context_window,
+            chat_template=args.chat_template,
+            policy=args.policy,
+            server=args.server,
+            kv_capacity=args.kv_capacity,
+            **top,
+        )
+    proxy = Proxy.from_config(config)
+    server = ProxyServer(proxy, host=args.host, port=args.port, log_level=args.log_level)
+
+    def ready(running: ProxyServer) -> None:
+        entries = [route.name for route in proxy.routes]
+        if args.json:
+            print(json.dumps({"listening": running.base_url, "upstream": proxy.base, "models": entries}), flush=True)
+        else:
+            count = f"{len(entries)} model entr{'y' if len(entries) == 1 else 'ies'}"
+            print(
+                f"contextkeeper serve: listening on {running.base_url} -> {proxy.base} ({count}: {'; '.join(entries)})",
+                flush=True,
+            )
+
+    server.on_ready = ready
+    server.run()
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_count_demo, run_demo
 
@@ -590,6 +649,41 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--quiet", action="store_true", help="no progress bar")
     prof.add_argument("--json", action="store_true", help="print one JSON object on stdout (no progress bar)")
     prof.set_defaults(func=_profile)
+
+    serve = _command(
+        sub,
+        "serve",
+        "an OpenAI-compatible proxy that fits every chat request",
+        "Listens for /v1/chat/completions (streams included), fits each request with its own tools and "
+        "max_tokens, admits it against the KV capacity and forwards it to --upstream, recovering refusals for "
+        "length and retrying transport errors; every other path is forwarded unchanged. Model entries come from "
+        "--config (a TOML file of [[models]]) or from --tokenizer and --context-window (one entry for every model). "
+        "See docs/proxy.md.",
+    )
+    serve.add_argument("--upstream", help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    serve.add_argument("--config", help="proxy TOML file: [[models]] entries, keys, retry bounds")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8100, help="port to listen on (0: any free port)")
+    serve.add_argument("--tokenizer", help="without --config: folder, .gguf file, hub id, or mistral:<name>")
+    serve.add_argument("--context-window", type=int, help="without --config: context window in tokens")
+    serve.add_argument("--chat-template", help="without --config: Jinja file overriding the tokenizer's template")
+    serve.add_argument("--policy", help="without --config: built-in policy name, a .toml file, or auto")
+    serve.add_argument(
+        "--server", help="without --config: the dialect counts follow (vllm, llama.cpp, ollama, ... or auto)"
+    )
+    serve.add_argument("--kv-capacity", type=int, help="without --config: the server's KV cache size in tokens")
+    serve.add_argument(
+        "--api-key", help="the proxy's own key (clients send it as Bearer); default $CONTEXTKEEPER_PROXY_API_KEY"
+    )
+    serve.add_argument(
+        "--upstream-api-key", help="the key sent upstream with --api-key; default $CONTEXTKEEPER_UPSTREAM_API_KEY"
+    )
+    serve.add_argument("--attempts", type=int, help="calls per chat request, the first included (default: 4)")
+    serve.add_argument(
+        "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's"
+    )
+    _json_option(serve)
+    serve.set_defaults(func=_serve)
 
     demo = _command(
         sub,

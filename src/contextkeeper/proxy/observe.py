@@ -1,0 +1,84 @@
+"""Where the proxy reports what each chat request did: one :class:`Exchange` per request, handed to every
+observer once the request is over (a stream: when it ended, broke or was closed).
+
+This is the one place a fit and a call are observed: the debug endpoint's store is an observer, and so are
+metrics and traces (they register with :meth:`Proxy.observe`)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..backends.calls import CallReport
+    from ..report import Fit
+
+__all__ = ["DebugStore", "Exchange", "Observer"]
+
+#: Called with every finished exchange; must not raise (an observer's error is logged, not the client's).
+Observer = Callable[["Exchange"], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exchange:
+    """One chat request through the proxy: what was asked, what the keeper did, what came back."""
+
+    conversation: str | None  # None: the request failed before its conversation was known
+    conversation_source: str | None  # header, user, prompt_cache_key, derived
+    model: str | None  # the request's "model"
+    route: str | None  # the config entry that took it ("models[0] (match '*')")
+    stream: bool
+    status: int  # the HTTP status answered (a stream that broke after its headers: 200)
+    fit: Fit | None  # the fit sent last (None: no fit was made)
+    call: CallReport | None  # attempts, recoveries, admission, the upstream's counts (None: no call was made)
+    error: str | None  # why it failed ("request_too_large: ..."), None when it succeeded
+    seconds: float  # from the request's arrival to its end (a stream: its last chunk)
+    chunks: int = 0  # stream chunks passed to the client
+
+    def to_dict(self) -> dict[str, Any]:
+        """The exchange as JSON-ready data (the debug endpoint's answer)."""
+        fit = self.fit
+        return {
+            "conversation": self.conversation,
+            "conversation_source": self.conversation_source,
+            "model": self.model,
+            "route": self.route,
+            "stream": self.stream,
+            "status": self.status,
+            "error": self.error,
+            "seconds": round(self.seconds, 6),
+            "chunks": self.chunks,
+            "prompt_tokens": fit.tokens if fit is not None else None,
+            "messages_sent": len(fit.messages) if fit is not None else None,
+            "report": fit.report.to_dict() if fit is not None else None,
+            "call": self.call.to_dict() if self.call is not None else None,
+        }
+
+
+class DebugStore:
+    """The latest exchange of each conversation, the least recently seen dropped beyond ``size``."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._latest: OrderedDict[str, Exchange] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, exchange: Exchange) -> None:
+        if exchange.conversation is None:
+            return
+        with self._lock:
+            self._latest[exchange.conversation] = exchange
+            self._latest.move_to_end(exchange.conversation)
+            while len(self._latest) > self.size:
+                self._latest.popitem(last=False)
+
+    def get(self, conversation: str) -> Exchange | None:
+        with self._lock:
+            return self._latest.get(conversation)
+
+    def conversations(self) -> list[str]:
+        with self._lock:
+            return list(self._latest)
