@@ -12,7 +12,10 @@ flush), for
 * **transcript**: ``MemoryTranscript``, ``SQLiteTranscript`` (a file in a temporary directory) and
   ``PostgresTranscript`` (its fast write path; the reference path through psycopg's adapters; and the fast path
   with ``synchronous_commit=off`` set in the URL) ``start`` + ``end``;
-* **both together**: in-process (Ledger + memory) vs shared (Redis + Postgres).
+* **both together**: in-process (Ledger + memory) vs shared (Redis + Postgres);
+* **whole wrapped calls** (``keeper.wrap(fn)`` to a model that answers at once, the keeper's fit included):
+  in-process vs ``ledger=`` Redis (``shared=`` too, by default) and ``transcript=`` Postgres, one thread, the
+  conversations interleaved.
 
 The workload: 20 conversations of 100 turns each, a growing chat (a 1 kB system prompt, questions of 100 to 600
 characters, answers of 200 to 900), the conversations interleaved round-robin in one thread, and the same 2,000
@@ -166,6 +169,42 @@ def measure(setup: Setup, prompt: str, conversations: int, turns: int, threads: 
     return row
 
 
+def wrapped(name: str, settings: dict[str, Any], conversations: int, turns: int) -> Row:
+    """Whole wrapped calls (``keeper.wrap(fn)``: shared facts read, inputs written ahead, the fit, admission, the
+    reply recorded) to a model that answers at once, so everything but the model is timed: what a call costs the
+    app in each setup. The keeper's own fit is in both rows; only the difference is sharing's."""
+    import contextkeeper as ck
+
+    keeper = ck.ContextKeeper("mistral:tekken", context_window=32768, kv_capacity=10**12, **settings)
+    replies: dict[str, dict[str, Any]] = {}
+
+    def model(messages: Messages, **_: Any) -> dict[str, Any]:
+        return replies[messages[0]["content"]]
+
+    row = Row("wrapped call", name, "the keeper's fit", 1)
+    try:
+        chats = [Chat(i) for i in range(conversations)]
+        clients = {chat.name: keeper.wrap(model, conversation=chat.name) for chat in chats}
+        samples: list[float] = []
+        for turn in range(turns):
+            for chat in chats:
+                inputs, _, reply = chat.ask(turn, None)
+                replies[inputs[0]["content"]] = reply
+                t0 = time.perf_counter()
+                clients[chat.name](inputs, max_tokens=512)
+                if turn >= 2:  # the first turns load the counter's caches and open the connections
+                    samples.append(time.perf_counter() - t0)
+                chat.messages.append(reply)
+    finally:
+        keeper.close()
+    ms = sorted(s * 1000 for s in samples)
+    row.calls, row.samples = len(ms), ms
+    row.p50_ms = round(statistics.median(ms), 3)
+    row.p99_ms = round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3)
+    row.mean_ms = round(statistics.fmean(ms), 3)
+    return row
+
+
 @contextlib.contextmanager
 def engines() -> Iterator[tuple[RedisServer, PostgresServer]]:
     with RedisServer() as redis_server, PostgresServer() as postgres:  # each stopped at the end
@@ -268,6 +307,16 @@ def main() -> int:
                         f"{row.kind}: {row.setup}, {prompt}, {threads} thread(s): p50 {row.p50_ms:.3f} ms",
                         file=sys.stderr,
                     )
+        local = wrapped("in-process (ledger, memory transcript)", {}, args.conversations, args.turns)
+        shared = wrapped(
+            "shared (Redis ledger and shared state, Postgres transcript)",
+            {"ledger": redis_server.url, "transcript": postgres.url},
+            args.conversations,
+            args.turns,
+        )
+        shared.added_p50_ms = round(shared.p50_ms - local.p50_ms, 3)
+        rows += [local, shared]
+        print(f"wrapped call: p50 {local.p50_ms:.3f} ms in-process, {shared.p50_ms:.3f} ms shared", file=sys.stderr)
     given = (args.conversations, args.turns, args.threads)
     flags = "" if given == (20, 100, 4) else " --conversations {} --turns {} --threads {}".format(*given)
     if load is not None:
