@@ -61,6 +61,17 @@ timeout -> ``APITimeoutError``, 500/503 -> ``InternalServerError``, 429 -> ``Rat
 ``APIConnectionError``, malformed -> ``json.JSONDecodeError`` itself (not an ``openai.APIError``), a cut stream ->
 ``APIConnectionError`` while iterating (its cause: httpx's "incomplete chunked read").
 
+Prefix caching (``prefix_cache=True``): the server keeps the KV blocks of every prompt it accepted and reports
+the tokens a new prompt reuses as ``usage.prompt_tokens_details.cached_tokens``, by vLLM's rule (automatic prefix
+caching, ``vllm/v1/core/kv_cache_manager.py``: ``get_computed_blocks``): prompts are cut into blocks of
+``block_size`` token ids (16, vLLM's default), each identified by a hash of its ids chained with the hash of the
+block before; only full blocks are cached; the hit is the longest run of leading blocks found, and it never
+covers the last prompt token (``max_cache_hit_length = num_tokens - 1``: that token is computed again for its
+logits), so the hit is ``block_size * (the leading cached blocks among the first (n - 1) // block_size)``. Hidden
+prefix ids are part of the prompt's ids; the ``hidden_tokens`` constant is not (it has no ids). vLLM also caches
+the full blocks its answers fill while decoding; this server caches prompt blocks only (its answers are scripted
+text, not decoded ids). ``cache_blocks`` bounds the cache (least recently used blocks go first; None: unbounded).
+
 Pass ``tokenizer=`` (an already loaded transformers tokenizer) to skip loading it again for each server.
 """
 
@@ -566,6 +577,7 @@ class RequestRecord:
     truncated_messages: int = 0  # Ollama: messages dropped from the front
     finish_reason: str | None = None
     streamed: str | None = None  # a stream: the content it sent (all of it, or what went out before a cut)
+    cached_tokens: int | None = None  # prompt tokens reused from the prefix cache (prefix_cache=True only)
 
 
 @dataclass
@@ -610,6 +622,9 @@ class ChatServer:
         tokenizer: Any = None,
         response_delay: float = 0.0,
         chunk_delay: float = 0.0,
+        prefix_cache: bool = False,
+        block_size: int = 16,
+        cache_blocks: int | None = None,
     ) -> None:
         if dialect not in DIALECTS:
             raise ValueError(f"unknown dialect {dialect!r}; known: {', '.join(DIALECTS)}")
@@ -641,6 +656,12 @@ class ChatServer:
         self.response_delay = response_delay
         self.chunk_delay = chunk_delay
         self._marks = server_marks(self.server_kind)
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.prefix_cache = prefix_cache
+        self.block_size = block_size
+        self.cache_blocks = cache_blocks
+        self._blocks: collections.OrderedDict[int, None] = collections.OrderedDict()  # block hashes, LRU first
         self._chaos: tuple[random.Random, dict[str, float], tuple[int, int]] | None = None
 
         self.replies: collections.deque[str | dict[str, Any] | Callable[[dict[str, Any]], Any]] = collections.deque()
@@ -792,6 +813,32 @@ class ChatServer:
                 ids = self.tokenizer.encode(text + prefill, add_special_tokens=False)
         return self._hidden_ids + list(ids)
 
+    def cache_prompt(self, ids: list[int]) -> int:
+        """vLLM's prefix-cache hit for a prompt of ``ids`` (see the module), then its full blocks cached."""
+        size = self.block_size
+        hashes: list[int] = []
+        parent = 0
+        for start in range(0, len(ids) - size + 1, size):
+            parent = hash((parent, tuple(ids[start : start + size])))
+            hashes.append(parent)
+        with self._lock:
+            hit = 0
+            for block in hashes[: (len(ids) - 1) // size]:
+                if block not in self._blocks:
+                    break
+                hit += size
+            for block in hashes:
+                self._blocks[block] = None
+                self._blocks.move_to_end(block)
+            while self.cache_blocks is not None and len(self._blocks) > self.cache_blocks:
+                self._blocks.popitem(last=False)
+        return hit
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM's ``/reset_prefix_cache``)."""
+        with self._lock:
+            self._blocks.clear()
+
     def tokens(self, text: str) -> list[int]:
         with self._count_lock:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -849,7 +896,8 @@ class ChatServer:
         else:
             max_tokens, param = None, "max_tokens"
         record.max_tokens = max_tokens
-        prompt = self.count(messages, tools)
+        prompt_ids = self.prompt_ids(messages, tools)
+        prompt = len(prompt_ids) + self.hidden_tokens
         outcome = DIALECTS[self.dialect].check(
             prompt if overstate is None else overstate, max_tokens, param, self.max_model_len
         )
@@ -886,7 +934,10 @@ class ChatServer:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
-        usage = {"prompt_tokens": prompt, "completion_tokens": used, "total_tokens": prompt + used}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": used, "total_tokens": prompt + used}
+        if self.prefix_cache:
+            record.cached_tokens = self.cache_prompt(prompt_ids)
+            usage["prompt_tokens_details"] = {"cached_tokens": record.cached_tokens}
         marks, choice_marks = self._marks
         response = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",

@@ -108,8 +108,16 @@ TRANSCRIPT = "behind open_transcript, which returns a Transcript; callers use th
 ENGINE = "one fit's internals behind ContextKeeper.fit; what callers see is the Fit it returns"
 SESSION = "what a keeper keeps per conversation between fits (bounded by ContextKeeper(conversations=))"
 COUNTER_ABILITY = "an optional counter ability: a custom counter opts in by defining the method (no import)"
+PREFIX_API = "how the prefix a fit shares with the previous prompt is measured (fit.report carries the figure)"
 PROXY_API = "the proxy's own parts (contextkeeper.proxy), behind `contextkeeper serve`; importable from there"
 INTERNAL: dict[str, str] = {
+    "contextkeeper.prefix.HFMeter": PREFIX_API,
+    "contextkeeper.prefix.Meter": PREFIX_API,
+    "contextkeeper.prefix.PrefixOf": PREFIX_API,
+    "contextkeeper.prefix.meter_for": PREFIX_API,
+    "contextkeeper.prefix.register_meter": PREFIX_API,
+    "contextkeeper.prefix.shared_ids": PREFIX_API,
+    "contextkeeper.session.WindowState": "a conversation's window start and rewrites, kept in its session",
     "contextkeeper.proxy.DebugStore": PROXY_API,
     "contextkeeper.proxy.Exchange": PROXY_API,
     "contextkeeper.proxy.Identity": PROXY_API,

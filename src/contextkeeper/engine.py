@@ -10,6 +10,7 @@ caller's format with its report (:func:`finish`). State between fits lives only 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -20,10 +21,12 @@ from ._exceptions import ContextKeeperError, InvariantViolation, MessageError
 from ._memo import shared_prefix
 from .budget import Budget
 from .messages import Conversation, Message, MessageLike, _group_units, _restore_conversation
+from .prefix import PrefixOf, meter_for
 from .report import Fit, FitReport, _Breakdown
 from .session import Rates, Session, Sticky
 from .strategies._turn import compact_turn
 from .strategies.base import Action, FitState, Foresight, Item, Items, LLMCall, Pipeline, run_sync
+from .strategies.prune_tool_results import PruneToolResults
 from .strategies.sliding_window import SlidingWindow
 from .tokens import PromptBounding, ToolFreezing
 from .tokens.breakdown import head_counts, prompt_slots
@@ -228,7 +231,7 @@ class Ask:
             last_user=last_user,
             tools=tool_list,
             budget=budget,
-            sticky=_sticky(session, messages, sys_end, last_user),
+            sticky=_sticky(session, messages, sys_end, last_user) or _adopted(session, messages, sys_end, last_user),
             started=started,
         )
 
@@ -402,13 +405,38 @@ def read(setup: Setup, session: Session, ask: Ask, per_token: float) -> Draft:
         shared=setup.shared.conversation(session.name) if setup.shared is not None else None,
     )
     initial = state.history
-    for strategy, trigger in setup.pipeline:
+    if sticky is not None and sticky.adopted:
+        # Another process's window (Session.adopt): its cleared tool results are cleared again first, as that
+        # process's rewrites would have been, so the prompt starts as it did there.
+        for strategy, _ in setup.pipeline:
+            if isinstance(strategy, PruneToolResults):
+                state = strategy.reapply(state)
+    steps, window = _closing(setup.pipeline)
+    for strategy, trigger in steps:
         if not setup.runs(strategy):
             continue
         if trigger(state):
             state = run_sync(strategy, state, setup.backend)
-    state = run_sync(SlidingWindow(after_cut=sticky is None and horizon > sys_end), state)
+    after_cut = sticky is None and horizon > sys_end
+    state = run_sync(window.model_copy(update={"after_cut": after_cut}) if after_cut else window, state)
     return Draft(horizon=horizon, conversation=conversation, counts=counts, initial=initial, state=state)
+
+
+_PLAIN_WINDOW = SlidingWindow()
+
+
+def _closing(pipeline: Pipeline) -> tuple[tuple[tuple[Any, Any], ...], SlidingWindow]:
+    """The steps to run, and the window that closes them: the settings of the policy's last ``sliding_window``
+    step (its hysteresis), else the plain window. That step, when it is the last one, is the closing window
+    itself, so it is not run twice."""
+    steps = pipeline.steps
+    windows = [strategy for strategy, _ in steps if isinstance(strategy, SlidingWindow)]
+    if not windows:
+        return steps, _PLAIN_WINDOW
+    window = windows[-1].model_copy(update={"after_cut": False})
+    if steps and steps[-1][0] is windows[-1]:
+        steps = steps[:-1]
+    return steps, window
 
 
 def finish(setup: Setup, session: Session, ask: Ask, draft: Draft) -> Fit:
@@ -423,6 +451,7 @@ def finish(setup: Setup, session: Session, ask: Ask, draft: Draft) -> Fit:
     _check(session, final, tokens, ask.budget.prompt, system, request)
     # Only a fit that kept its guarantees is built on by the next one.
     _remember(session, ask, state.history, system=system, conversation=draft.conversation, horizon=horizon)
+    prefix = _prefix(session, assemble((system, *state.history, request)), ask.tools)
     out = _caller_format(session, final, draft.conversation, sys_end, horizon, ask.messages)
     reserved = ask.budget.reserved
 
@@ -450,6 +479,7 @@ def finish(setup: Setup, session: Session, ask: Ask, draft: Draft) -> Fit:
         if horizon > sys_end
         else (),
         _breakdown=_Breakdown(breakdown),
+        _prefix=prefix,
     )
     return Fit(messages=out, tokens=tokens, report=report)
 
@@ -467,6 +497,32 @@ def _sticky(session: Session, messages: Sequence[Any], sys_end: int, last_user: 
     if shared_prefix(previous.inputs, messages) != len(previous.inputs):
         return None  # the caller edited or replaced earlier messages: fit from scratch
     return previous
+
+
+def fingerprint(messages: Sequence[Any], start: int, length: int) -> str:
+    """A hash of the caller's messages at ``start`` and ``length - 1`` (role, text, tool calls), as a window state
+    names them (see :class:`~contextkeeper.session.WindowState`)."""
+    digest = hashlib.sha256(b"contextkeeper.window/1\n")
+    for index in (start, length - 1):
+        message = messages[index]
+        text, calls = _texts(message)
+        digest.update(f"{index}\x1e{_role(message)}\x1e{text}\x1e{calls}\x1f".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
+
+
+def _adopted(session: Session, messages: Sequence[Any], sys_end: int, last_user: int) -> Sticky | None:
+    """Another process's window for this conversation (``Session.adopt``), taken up once: its start, when the
+    caller's list still holds the messages it saw there, and its cleared tool results."""
+    state, session.adopted = session.adopted, None
+    if state is None or session.sticky is not None:
+        return None
+    if state.sys_end != sys_end or state.length > len(messages) or not sys_end <= state.start < last_user:
+        return None
+    if fingerprint(messages, state.start, state.length) != state.fingerprint:
+        return None
+    cleared = session.memory.setdefault("prune_tool_results", set())
+    cleared.update(state.cleared)
+    return Sticky(inputs=tuple(messages[: state.length]), sys_end=sys_end, start=state.start, rewrites={}, adopted=True)
 
 
 def _horizon(setup: Setup, session: Session, ask: Ask, per_token: float) -> int:
@@ -680,6 +736,23 @@ def _remember(
         history=tuple(history),
         last_user=ask.last_user,
     )
+
+
+def _prefix(session: Session, prompt: Conversation, tools: list[Any] | None) -> PrefixOf:
+    """This prompt's text kept for the next fit, and its shared prefix with the previous fit's (measured when the
+    report is read)."""
+    if not session.metered:
+        session.meter, session.metered = meter_for(session.counter), True
+    meter = session.meter
+    try:
+        text = meter.text(prompt, tools) if meter is not None else None
+    except ContextKeeperError:  # rendered once already for the count: not expected, and never worth a failed fit
+        text = None
+    previous, session.prompt_text = session.prompt_text, text
+    first, session.prompted = not session.prompted, True
+    if previous is None and not first:
+        return PrefixOf(None, None, None)  # the previous prompt could not be measured by ids
+    return PrefixOf(meter, text, previous)
 
 
 def _caller_format(

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .prefix import PrefixOf
 from .strategies.base import Action
 
 __all__ = ["Fit", "FitReport"]
@@ -32,6 +33,8 @@ class FitReport:
     # The slots and the history before and after: they need the never-trimmed parts counted on their own, which
     # no fit decision needs, so they are counted when first read.
     _breakdown: _Breakdown = field(repr=False, compare=False)
+    # The prefix shared with the previous prompt of the conversation: compared by token ids when first read.
+    _prefix: PrefixOf = field(default_factory=lambda: PrefixOf(None, None, None), repr=False, compare=False)
 
     @property
     def slots(self) -> dict[str, int]:
@@ -49,6 +52,21 @@ class FitReport:
         """History tokens in the fitted prompt."""
         return self._breakdown.get()[2]
 
+    @property
+    def prefix_tokens(self) -> int | None:
+        """Tokens of this prompt that are a prefix of the previous prompt of this conversation, by token ids,
+        exactly: what a server's prefix cache can reuse at best. 0 for the first prompt of the conversation's
+        session; None when this prompt or the previous one holds media priced by an estimate, or the counter has
+        no token ids to compare."""
+        return self._prefix.get()
+
+    @property
+    def prefill_tokens(self) -> int | None:
+        """Tokens a server with a prefix cache holding the previous prompt must still prefill (``tokens`` less
+        ``prefix_tokens``; None where that is None)."""
+        prefix = self._prefix.get()
+        return None if prefix is None else self.tokens - prefix
+
     def with_slots(self, change: Callable[[dict[str, int]], dict[str, int]], **fields: Any) -> FitReport:
         """A copy with ``fields`` replaced and the slots passed through ``change`` (still counted when read)."""
         return dataclasses.replace(self, _breakdown=self._breakdown.then(change), **fields)
@@ -56,11 +74,12 @@ class FitReport:
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {}
         for item in dataclasses.fields(self):
-            if item.name == "_breakdown":
+            if item.name in ("_breakdown", "_prefix"):
                 continue
             data[item.name] = getattr(self, item.name)
             if item.name == "tokens_before":
                 data.update(slots=self.slots, history_before=self.history_before, history_after=self.history_after)
+        data["prefix_tokens"] = self.prefix_tokens
         data["actions"] = [dataclasses.asdict(a) for a in self.actions]
         data["notes"] = list(self.notes)
         return data

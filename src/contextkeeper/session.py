@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,9 +19,10 @@ from .tokens.breakdown import HeadCounts
 if TYPE_CHECKING:
     from .report import Fit
 
-__all__ = ["DEFAULT_CONVERSATION", "Rates", "Session", "Sessions", "Sticky"]
+__all__ = ["DEFAULT_CONVERSATION", "Rates", "Session", "Sessions", "Sticky", "WindowState"]
 
 DEFAULT_CONVERSATION = "default"
+_PRUNED = "prune_tool_results"  # the strategy's memory: the call ids whose results it cleared
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,44 @@ class Sticky:
     system: Items = ()
     history: tuple[Items, ...] = ()
     last_user: int = -1
+    adopted: bool = False  # taken up from another process's WindowState (its rewrites are not objects here)
+
+
+@dataclass(frozen=True)
+class WindowState:
+    """Where a conversation's prompt begins, as another process can take it up: the window start and the rewrites
+    a fit re-applies, by position and by tool call id (not by object), so a replica that takes the conversation
+    over keeps the boundary where it was and the prompt's prefix, and a server's prefix cache, stay valid.
+
+    ``start``: the caller's index of the first history message kept; ``length`` and ``sys_end``: how many messages
+    the fit it comes from saw, and where their system prompt ended; ``fingerprint``: a hash of the messages at
+    ``start`` and ``length - 1`` (a list that differs there is another conversation, or an edited one: it is fitted
+    from scratch); ``cleared``: the tool calls whose results ``prune_tool_results`` cleared (they stay cleared)."""
+
+    start: int
+    length: int
+    sys_end: int
+    fingerprint: str
+    cleared: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "length": self.length,
+            "sys_end": self.sys_end,
+            "fingerprint": self.fingerprint,
+            "cleared": list(self.cleared),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WindowState:
+        return cls(
+            start=int(data["start"]),
+            length=int(data["length"]),
+            sys_end=int(data["sys_end"]),
+            fingerprint=str(data["fingerprint"]),
+            cleared=tuple(str(call) for call in data.get("cleared") or ()),
+        )
 
 
 def _marginal(counter: TokenCounter) -> Callable[[str], int]:
@@ -86,7 +125,12 @@ class Session:
     # Rewrites handed back as dicts: a flat copy of each (False: not flat, made anew every time).
     dicts: IdentityMemo[Message, dict[str, Any] | bool] | None = None
     last_fit: Fit | None = None
+    prompt_text: str | None = None  # the previous fit's prompt as the counter tokenizes it (for its shared prefix)
+    prompted: bool = False  # a fit was made (its prompt_text None: not measurable by token ids)
+    meter: Any = None  # the counter's prefix meter (contextkeeper.prefix), found on the first fit
+    metered: bool = False
     memory: dict[str, Any] = field(default_factory=dict)  # the strategies' own state (FitState.memory)
+    adopted: WindowState | None = None  # another process's window, taken up by the next fit (see adopt)
 
     @classmethod
     def of(cls, name: str, counter: TokenCounter, *, fork: bool) -> Session:
@@ -102,6 +146,28 @@ class Session:
             text_tokens_many=main.text_tokens_many if isinstance(main, BatchTextCounting) else None,
             text_bound=main.text_tokens_bound if isinstance(main, TextBounding) else None,
         )
+
+    def window_state(self) -> WindowState | None:
+        """This conversation's window start and rewrites, for another process to :meth:`adopt` (None before a fit,
+        or after one that fitted from scratch, such as a fresh summary)."""
+        from .engine import fingerprint
+
+        sticky = self.sticky
+        if sticky is None or not sticky.inputs or sticky.start >= len(sticky.inputs):
+            return None
+        cleared = self.memory.get(_PRUNED)
+        return WindowState(
+            start=sticky.start,
+            length=len(sticky.inputs),
+            sys_end=sticky.sys_end,
+            fingerprint=fingerprint(sticky.inputs, sticky.start, len(sticky.inputs)),
+            cleared=tuple(sorted(cleared)) if isinstance(cleared, set) else (),
+        )
+
+    def adopt(self, state: WindowState | Mapping[str, Any]) -> None:
+        """Take up another process's window (a :class:`WindowState` or its ``to_dict()``): the next fit starts the
+        history where that one did, with the same tool results cleared, when the caller's messages still match it."""
+        self.adopted = state if isinstance(state, WindowState) else WindowState.from_dict(state)
 
     def dict_memo(self) -> IdentityMemo[Message, dict[str, Any] | bool]:
         """The rewrites this conversation handed back as dicts, made on first use; an :class:`IdentityMemo`, so

@@ -36,6 +36,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from .. import tracing
 from .._exceptions import (
     ConfigurationError,
     ContextLengthExceeded,
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from ..shared import SharedState
     from ..transcript import TranscriptEntry
 
-__all__ = ["CallReport", "DriftWarning", "ServerState", "call_async", "call_sync"]
+__all__ = ["CallReport", "DriftWarning", "ServerState", "cached_tokens_of", "call_async", "call_sync"]
 
 log = logging.getLogger("contextkeeper")
 
@@ -121,6 +122,11 @@ class CallReport:
     seconds: float
     server_kind: str | None = None  # the server software, when recognised
     error: str | None = None  # why the call failed (None: it succeeded)
+    # The prefix cache: the prompt tokens the server says it reused (usage.prompt_tokens_details.cached_tokens, or
+    # llama.cpp's timings.cache_n), beside the prediction: the tokens of the prompt that are a prefix of the
+    # conversation's previous prompt (fit.report.prefix_tokens).
+    cached_tokens: int | None = None
+    prefix_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -243,6 +249,7 @@ class Call:
         self.entry: TranscriptEntry | None = None
         self.admission = "unlimited"
         self.started = time.perf_counter()
+        self.trace: tracing.CallTrace | None = None  # its spans, when a tracer provider is set
 
     # ---------------------------------------------------------------------------------------- steps
     def begin(self) -> None:
@@ -253,8 +260,15 @@ class Call:
         if transcript is not None:
             inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
             self.entry = transcript.start(inputs, conversation=self.options.conversation, tools=self.tools)
+        self.trace = tracing.start(self)
 
     def _fit(self, withheld: int, trusted: bool = False) -> Fit:
+        with tracing.fitting(self.trace) as traced:
+            fit = self._fit_once(withheld, trusted)
+            traced(fit)
+        return fit
+
+    def _fit_once(self, withheld: int, trusted: bool) -> Fit:
         from ..keeper import Fit
 
         # The conversation's own session: its fits follow one another, other conversations fit alongside.
@@ -390,7 +404,7 @@ class Call:
         self.fit = fit
         params = dict(self.params)
         params["messages"] = fit.messages
-        return Request(
+        request = Request(
             messages=fit.messages,
             tools=self.tools,
             max_tokens=self.max_tokens,
@@ -399,6 +413,9 @@ class Call:
             finish=self.finish,
             renew=self.renew,
         )
+        if self.trace is not None:
+            self.trace.sent(request)
+        return request
 
     def prepared(self) -> Request:
         """:meth:`prepare`, admitted by blocking (sync calls)."""
@@ -447,6 +464,8 @@ class Call:
         caller's own exception unchanged."""
         self._release()
         failure = classify(exc)
+        if self.trace is not None:
+            self.trace.failed(exc, failure.kind)
         if failure.kind == "other":
             raise exc
         raise self._learn(failure) from exc
@@ -619,7 +638,7 @@ class Call:
         fit = self.fit
         tokens = fit.tokens if fit is not None else 0
         kv_bytes, share = self.keeper.kv_bytes(tokens + self.answer)
-        return CallReport(
+        report = CallReport(
             server=self.backend.server,
             attempts=self.attempts,
             recoveries=tuple(self.recoveries),
@@ -636,7 +655,12 @@ class Call:
             seconds=time.perf_counter() - self.started,
             server_kind=self.server.kind,
             error=None if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}"),
+            cached_tokens=_cached(reply),
+            prefix_tokens=fit.report.prefix_tokens if fit is not None else None,
         )
+        if self.trace is not None:
+            self.trace.end(report, reply)
+        return report
 
     def error(self, exc: BaseException) -> None:
         """The call failed for good (a fit that cannot fit included): record it and free its admission."""
@@ -687,6 +711,29 @@ class Call:
             report.attempts,
             report.admission,
         )
+
+
+def _get(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+def cached_tokens_of(response: Any) -> int | None:
+    """The prompt tokens a server reused from its prefix cache, as its response (SDK object or dict, or a stream's
+    usage chunk) reports them: ``usage.prompt_tokens_details.cached_tokens`` (OpenAI, vLLM, SGLang, recent
+    llama-server), else llama-server's ``timings.cache_n``; None where neither is given."""
+    details = _get(_get(response, "usage"), "prompt_tokens_details")
+    cached = _get(details, "cached_tokens") if details is not None else None
+    if cached is None:
+        timings = _get(response, "timings")
+        cached = _get(timings, "cache_n") if timings is not None else None
+    return int(cached) if isinstance(cached, (int, float)) and not isinstance(cached, bool) else None
+
+
+def _cached(reply: Reply | None) -> int | None:
+    if reply is None:
+        return None
+    known = getattr(reply, "cached_tokens", None)  # a stream's, read from its usage chunk
+    return int(known) if isinstance(known, int) else cached_tokens_of(reply.result)
 
 
 _INSIDE = ("contextkeeper.", "tenacity", "openai", "httpx", "asyncio", "concurrent.")

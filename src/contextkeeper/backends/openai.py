@@ -26,10 +26,11 @@ import queue
 import threading
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Generator, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .base import Reply, Request, register_wrapper, reply_from, usage_of
-from .calls import Call, call_async, call_sync, calls_of, options
+from .calls import Call, cached_tokens_of, call_async, call_sync, calls_of, options
 from .servers import kind_of_reply, kind_of_url
 
 if TYPE_CHECKING:
@@ -72,6 +73,14 @@ def _start_reaper() -> None:
 atexit.register(_end_dropped, False)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _StreamReply(Reply):
+    """A stream's reply, at its end: with the prefix-cache hit its usage chunk reported (the wrapped call's report
+    reads it; a plain reply's is read from the response itself)."""
+
+    cached_tokens: int | None = None
+
+
 class _Collector:
     """Rebuilds the assistant's message and the usage from stream chunks, as they pass through, and ends the call
     once (normally, closed early, dropped unread, or broken)."""
@@ -82,6 +91,7 @@ class _Collector:
         self.calls: dict[int, dict[str, Any]] = {}
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        self.cached_tokens: int | None = None  # the usage chunk's prompt_tokens_details.cached_tokens
         self.chunks = 0  # passed on to the caller
         self.kind: str | None = None
         self.finished = False
@@ -95,6 +105,7 @@ class _Collector:
         prompt, completion = usage_of(chunk)
         if prompt is not None:
             self.prompt_tokens, self.completion_tokens = prompt, completion
+            self.cached_tokens = cached_tokens_of(chunk)
         for choice in getattr(chunk, "choices", None) or ():
             if getattr(choice, "index", 0):
                 continue  # n > 1: the transcript keeps the first choice
@@ -121,7 +132,8 @@ class _Collector:
                 for _, c in sorted(self.calls.items())
             ]
         return self.request.finish(
-            Reply(
+            _StreamReply(
+                cached_tokens=self.cached_tokens,
                 result=None,
                 message=message,
                 prompt_tokens=self.prompt_tokens,

@@ -43,8 +43,11 @@ if TYPE_CHECKING:
     import httpx2
 
     from ..backends.base import Reply
+    from ..backends.base import Request as Sent
     from ..backends.openai import OpenAIBackend
+    from ..report import Fit
     from ..strategies.base import Action
+    from .metrics import ProxyMetrics
 
 __all__ = ["Proxy"]
 
@@ -87,9 +90,44 @@ _UPSTREAM: contextvars.ContextVar[_Seen | None] = contextvars.ContextVar("contex
 
 
 class _ProxyCall(Call):
-    """A wrapped call that keeps its own report (``keeper.last_call`` is whichever call ended last)."""
+    """A wrapped call that keeps its own report (``keeper.last_call`` is whichever call ended last), and times
+    its fits and its time upstream for the metrics."""
 
     report: CallReport | None = None
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.fit_seconds: list[float] = []
+        self.upstream_seconds: float | None = None
+        self._sent: float | None = None
+
+    def _fit(self, withheld: int, trusted: bool = False) -> Fit:
+        fit = super()._fit(withheld, trusted)
+        self.fit_seconds.append(fit.report.seconds)
+        return fit
+
+    async def prepared_async(self) -> Sent:
+        request = await super().prepared_async()
+        self._sent = time.perf_counter()
+        return request
+
+    def _back(self) -> None:
+        """An attempt is over (answered, failed, or its stream ended): add its time upstream."""
+        if self._sent is not None:
+            self.upstream_seconds = (self.upstream_seconds or 0.0) + time.perf_counter() - self._sent
+            self._sent = None
+
+    def failed(self, exc: BaseException) -> None:
+        self._back()
+        super().failed(exc)
+
+    def finish(self, reply: Reply) -> BaseException | None:
+        self._back()
+        return super().finish(reply)
+
+    def error(self, exc: BaseException) -> None:
+        self._back()
+        super().error(exc)
 
     def _report(self, reply: Reply | None, drift: int | None, error: BaseException | str | None = None) -> CallReport:
         report = super()._report(reply, drift, error)
@@ -190,11 +228,20 @@ class Proxy:
         self.options: Options = options(attempts=attempts, backoff=backoff, max_backoff=max_backoff)
         self.debug = DebugStore(debug_conversations)
         self.observers: list[Observer] = [self.debug]
+        self.metrics: ProxyMetrics | None = None
+        try:
+            from .metrics import ProxyMetrics
+        except ImportError:  # prometheus-client is missing: /metrics says how to get it
+            pass
+        else:
+            self.metrics = ProxyMetrics(self.routes)
+            self.observe(self.metrics)
         self._http: httpx2.AsyncClient | None = None
         self._backend: OpenAIBackend | None = None
         self.app = Starlette(
             routes=[
                 HTTPRoute("/v1/chat/completions", self.chat, methods=["POST"]),
+                HTTPRoute("/metrics", self.scrape, methods=["GET"]),
                 HTTPRoute("/contextkeeper/conversations", self.conversations, methods=["GET"]),
                 HTTPRoute("/contextkeeper/conversations/{conversation:path}", self.conversation, methods=["GET"]),
                 HTTPRoute("/{path:path}", self.forward, methods=_METHODS),
@@ -346,11 +393,11 @@ class Proxy:
             result = await call_async(call)
         except BaseException as exc:
             if not isinstance(exc, Exception):  # cancelled: the client went away before the answer
-                self._done(identity, model, route, stream, 499, call.fit, call.report, "cancelled", started)
+                self._done(identity, model, route, stream, 499, call.fit, call.report, "cancelled", started, timed=call)
                 raise
             reply = error_reply(exc)
             error = f"{reply.code}: {' '.join(str(exc).split())[:300]}"
-            self._done(identity, model, route, stream, reply.status, call.fit, call.report, error, started)
+            self._done(identity, model, route, stream, reply.status, call.fit, call.report, error, started, timed=call)
             headers = {**reply.headers, **self._headers(call, identity, ())}
             return Response(reply.body, status_code=reply.status, headers=headers, media_type="application/json")
         finally:
@@ -364,7 +411,7 @@ class Proxy:
                 media_type="text/event-stream",
             )
         data = _json(_dump(result))
-        self._done(identity, model, route, False, 200, call.fit, call.report, None, started)
+        self._done(identity, model, route, False, 200, call.fit, call.report, None, started, timed=call)
         return Response(data, headers=headers, media_type="application/json")
 
     def _sender(self) -> OpenAIBackend:
@@ -431,7 +478,7 @@ class Proxy:
                 error = f"client_gone: the client left after {chunks} chunk(s), before the end of the stream"
             with anyio.CancelScope(shield=True):
                 await stream.close()  # the call ends, and gives its admission back
-            self._done(identity, model, route, True, 200, call.fit, call.report, error, started, chunks)
+            self._done(identity, model, route, True, 200, call.fit, call.report, error, started, chunks, timed=call)
 
     def _refuse(self, started: float, message: str, code: str, param: str | None = None) -> Response:
         self._done(None, None, None, False, 400, None, None, f"{code}: {message}", started)
@@ -453,6 +500,8 @@ class Proxy:
         error: str | None,
         started: float,
         chunks: int = 0,
+        *,
+        timed: _ProxyCall | None = None,
     ) -> None:
         """The one place an exchange is observed (debug store, and metrics and traces when they register)."""
         exchange = Exchange(
@@ -467,12 +516,35 @@ class Proxy:
             error=error,
             seconds=time.perf_counter() - started,
             chunks=chunks,
+            fit_seconds=tuple(timed.fit_seconds) if timed is not None else (),
+            upstream_seconds=timed.upstream_seconds if timed is not None else None,
         )
         for observer in self.observers:
             try:
                 observer(exchange)
             except Exception:
                 log.exception("a proxy observer failed on an exchange")
+
+    # ---------------------------------------------------------------------------------------- metrics
+    async def scrape(self, request: Request) -> Response:
+        """``GET /metrics``: the proxy's own Prometheus metrics (the upstream's own /metrics is not forwarded)."""
+        denied = self._denied(request)
+        if denied is not None:
+            return denied
+        metrics = self.metrics
+        if metrics is None:
+            message = (
+                "the proxy's metrics need prometheus-client, which is not installed. Fix: pip install "
+                "'contextkeeper[proxy]' (or prometheus-client) and restart the proxy"
+            )
+            return Response(
+                error_body(message, type="server_error", code="metrics_unavailable"),
+                status_code=501,
+                media_type="application/json",
+            )
+        # Off the loop: a Redis ledger's gauges are read over the network.
+        body, content_type = await anyio.to_thread.run_sync(metrics.render, request.headers.get("accept"))
+        return Response(body, headers={"content-type": content_type})
 
     # ------------------------------------------------------------------------------------------ debug
     async def conversation(self, request: Request) -> Response:

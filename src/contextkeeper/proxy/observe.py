@@ -37,6 +37,8 @@ class Exchange:
     error: str | None  # why it failed ("request_too_large: ..."), None when it succeeded
     seconds: float  # from the request's arrival to its end (a stream: its last chunk)
     chunks: int = 0  # stream chunks passed to the client
+    fit_seconds: tuple[float, ...] = ()  # every fit of the request (a refusal's refit too), in order
+    upstream_seconds: float | None = None  # time spent upstream, attempts together (a stream: to its end)
 
     def to_dict(self) -> dict[str, Any]:
         """The exchange as JSON-ready data (the debug endpoint's answer)."""
@@ -51,6 +53,8 @@ class Exchange:
             "error": self.error,
             "seconds": round(self.seconds, 6),
             "chunks": self.chunks,
+            "fit_seconds": [round(seconds, 6) for seconds in self.fit_seconds],
+            "upstream_seconds": None if self.upstream_seconds is None else round(self.upstream_seconds, 6),
             "prompt_tokens": fit.tokens if fit is not None else None,
             "messages_sent": len(fit.messages) if fit is not None else None,
             "report": fit.report.to_dict() if fit is not None else None,

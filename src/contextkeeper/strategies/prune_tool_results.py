@@ -53,6 +53,14 @@ class PruneToolResults(StrategySettings):
         return ("[tool result cleared:", own) if own else ("[tool result cleared:",)
 
     def apply(self, state: FitState) -> FitState:
+        return self._clear(state, fresh_batch=True)
+
+    def reapply(self, state: FitState) -> FitState:
+        """Clear again only the results cleared before (the conversation's memory, which another process may have
+        handed over: see ``Session.adopt``), whatever the trigger: the prompt's prefix stays as it was."""
+        return self._clear(state, fresh_batch=False)
+
+    def _clear(self, state: FitState, *, fresh_batch: bool) -> FitState:
         memory: set[str] = state.memory.setdefault("prune_tool_results", set())
         # Tool results in history, oldest first, with the tool name from the matching call.
         names: dict[str, str] = {}
@@ -78,7 +86,7 @@ class PruneToolResults(StrategySettings):
                 # An estimate (4 characters per token) decides the batch: counting exactly would tokenize text
                 # that is about to be cleared. The savings reported are counted exactly.
                 fresh_tokens += len(item.text()) // 4
-        chosen = sticky + (fresh if fresh_tokens >= self.clear_at_least else [])
+        chosen = sticky + (fresh if fresh_batch and fresh_tokens >= self.clear_at_least else [])
         if not chosen:
             return state
         units = [list(unit) for unit in state.history]
