@@ -24,6 +24,7 @@ ALLOWED = {
     "memory/dtypes.py:_KV": "registry: the KV dtypes, filled at import",
     "memory/dtypes.py:_TYPES": "registry: the dtypes, filled at import",
     "memory/dtypes.py:_WEIGHTS": "registry: the weight dtypes, filled at import",
+    "prefix.py:_METERS": "registry: register_meter adds a counter kind's prefix meter",
     "policy.py:_REGISTERED": "configuration: the policy folders register_policy_path adds, in order",
     "strategies/_embeddings.py:_LOADED": "process resource: an embedding model, loaded once per process (seconds), "
     "never evicted and reloaded as a cache entry would be",

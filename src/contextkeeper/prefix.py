@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ._memo import IdentityMemo
 from .tokens import HFChatTemplateCounter, TokenCounter
 from .tokens.pieces._rules import Pieces, Segments, Tokenizer
 from .tokens.pieces._split import common_prefix
@@ -73,20 +74,15 @@ def meter_for(counter: TokenCounter) -> Meter | None:
 
 
 # The added-token cutter of each tokenizer backend, made once: forks of a counter (one per conversation) share it.
-_CUTTERS: dict[int, tuple[Any, Tokenizer]] = {}
-_CUTTERS_LOCK = threading.Lock()
+# In the shared byte budget like every cache (a cutter dropped is made again); each entry holds its backend.
+_CUTTERS: IdentityMemo[Any, Tokenizer] = IdentityMemo("prefix.cutters", sizer=lambda backend, cutter: 16_384)
 
 
 def _cutter(backend: Any) -> Tokenizer:
-    with _CUTTERS_LOCK:
-        known = _CUTTERS.get(id(backend))
-        if known is not None and known[0] is backend:
-            return known[1]
-    made = Tokenizer(backend)
-    with _CUTTERS_LOCK:
-        if len(_CUTTERS) >= 64:  # tokenizers come and go with keepers: forget the oldest
-            _CUTTERS.pop(next(iter(_CUTTERS)))
-        _CUTTERS[id(backend)] = (backend, made)  # the entry holds the backend: its id stays unique
+    made = _CUTTERS.get(backend)
+    if made is None:
+        made = Tokenizer(backend)
+        _CUTTERS.put(backend, made)
     return made
 
 
