@@ -96,12 +96,33 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=5)
 
 
-class _Engine:
+class _Running:
+    """Something the tests start and stop, in a directory of its own that :meth:`close` removes."""
+
+    dir: str | Path
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Engine(_Running):
     """A server process on ``self.port``: each engine says only how it is started (:meth:`command`)."""
 
     name = "server"
     port: int
-    dir: str | Path
     process: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
@@ -116,16 +137,6 @@ class _Engine:
         if self.process is not None:
             _stop(self.process)
             self.process = None
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class RedisServer(_Engine):
@@ -241,7 +252,7 @@ class _ClusterNode(RedisServer):
         ]  # fmt: skip
 
 
-class RedisCluster:
+class RedisCluster(_Running):
     """A Redis Cluster of ``nodes`` masters (no replicas) on free loopback ports; ``url`` is
     ``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,.../0``. The slots are assigned once, by ``redis-cli --cluster
     create``; a stopped cluster starts again from its nodes' saved layout."""
@@ -282,16 +293,6 @@ class RedisCluster:
         for node in self.nodes:
             node.stop()
 
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class _SentinelProcess(_Engine):
     """``redis-server CONF --sentinel`` watching one master (quorum 1); Sentinel rewrites CONF, so it is its own."""
@@ -314,7 +315,7 @@ class _SentinelProcess(_Engine):
         return [str(shutil.which("redis-server")), self.config, "--sentinel"]
 
 
-class RedisSentinel:
+class RedisSentinel(_Running):
     """A Redis master (``master``, a :class:`RedisServer`) and one Sentinel monitoring it as ``service``, with
     ``replicas`` replicas of the master when a failover is to be tried; ``url`` is
     ``redis+sentinel://127.0.0.1:SENTINEL_PORT/SERVICE/0``."""
@@ -377,9 +378,3 @@ class RedisSentinel:
         for server in (self.master, *self.replicas):
             server.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

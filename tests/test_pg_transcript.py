@@ -35,6 +35,8 @@ from contextkeeper.transcript import (
     open_transcript,
 )
 from engines import PostgresServer, _free_port
+from test_crash import _key
+from test_crash import _read as _read_line
 from test_transcript import test_a_call_is_recorded_and_its_removed_messages_recovered as _recorded_and_recovered
 from test_transcript import test_a_dict_changed_in_place_is_recorded_as_it_was as _edited_in_place
 from test_transcript import test_failed_calls_and_conversations as _failed_and_conversations
@@ -428,21 +430,6 @@ def test_a_restarted_postgres_is_reconnected(postgres: PostgresServer, schema: s
 
 
 # ------------------------------------------------------------------------------------------ a wrapped chat, killed
-
-
-def _read_line(zygote: subprocess.Popen[str], timeout: float = 60.0) -> str:
-    assert zygote.stdout is not None
-    ready, _, _ = select.select([zygote.stdout], [], [], timeout)
-    line = zygote.stdout.readline() if ready else ""
-    if not line:
-        zygote.kill()
-        _, err = zygote.communicate(timeout=10)
-        raise AssertionError(f"the zygote did not answer: {err[-3000:]}")
-    return line.strip()
-
-
-def _key(message: dict[str, Any]) -> str:
-    return json.dumps(message, sort_keys=True)
 
 
 def _settled(store: Transcript, conversation: str) -> bool:

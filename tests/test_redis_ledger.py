@@ -304,18 +304,19 @@ def test_a_redis_restart_is_an_error_then_the_pool_again(pool: str) -> None:
         ledger.close()
 
 
-def test_the_keeper_admits_through_the_shared_ledger(redis_server: RedisServer, pool: str) -> None:
+def wrapped_call_through(url: str, pool: str, **settings: Any) -> tuple[ck.ContextKeeper, dict[str, Any]]:
+    """One wrapped call (the project's test server, the openai SDK) by a keeper whose ledger is at ``url``: the
+    keeper, and its ledger's stats after the call (checked: nothing held, one admission, the prompt booked)."""
     import assets
+    from openai_server import ChatServer
 
     assets.require_assets()
     keeper = ck.ContextKeeper(
-        str(assets.tokenizer_dir("qwen2")), context_window=4096, kv_capacity=5000, ledger=redis_server.url,
-        ledger_pool=pool,
+        str(assets.tokenizer_dir("qwen2")), context_window=4096, kv_capacity=5000, ledger=url, ledger_pool=pool,
+        **settings,
     )  # fmt: skip
     assert isinstance(keeper.ledger, RedisLedger)
     assert keeper.ledger.capacity == 5000
-    from openai_server import ChatServer
-
     with ChatServer(assets.tokenizer_dir("qwen2")) as server:
         client = keeper.wrap(openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0))
         reply = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
@@ -323,6 +324,13 @@ def test_the_keeper_admits_through_the_shared_ledger(redis_server: RedisServer, 
     stats = keeper.ledger.stats()
     assert (stats["active"], stats["admitted"]) == (0, 1)
     assert stats["peak"] >= reply.usage.prompt_tokens
+    return keeper, stats
+
+
+def test_the_keeper_admits_through_the_shared_ledger(redis_server: RedisServer, pool: str) -> None:
+    import assets
+
+    wrapped_call_through(redis_server.url, pool)
     local = ck.ContextKeeper(
         str(assets.tokenizer_dir("qwen2")), context_window=4096, kv_capacity=5000, ledger="redis://127.0.0.1:9/0",
         ledger_unavailable="local", shared=False,

@@ -8,7 +8,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 
 import contextkeeper as ck
@@ -16,6 +15,7 @@ from contextkeeper._exceptions import ConfigurationError
 from contextkeeper._redis import SCHEMES, connect, connection_errors, is_redis_url, parse, safe_url
 from contextkeeper.redis_ledger import LedgerUnavailable, RedisLedger
 from engines import RedisCluster, RedisSentinel
+from test_redis_ledger import wrapped_call_through
 
 
 # ------------------------------------------------------------------------------------------ parsing
@@ -192,22 +192,8 @@ def test_a_cluster_node_down_makes_its_pools_unavailable_then_they_come_back(clu
 
 def test_the_keeper_admits_through_a_cluster_ledger(cluster: RedisCluster, pool: str) -> None:
     import assets
-    from openai_server import ChatServer
 
-    assets.require_assets()
-    keeper = ck.ContextKeeper(
-        str(assets.tokenizer_dir("qwen2")), context_window=4096, kv_capacity=5000, ledger=cluster.url,
-        ledger_pool=pool, shared=False,
-    )  # fmt: skip
-    assert isinstance(keeper.ledger, RedisLedger)
-    assert keeper.ledger.capacity == 5000
-    with ChatServer(assets.tokenizer_dir("qwen2")) as server:
-        client = keeper.wrap(openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0))
-        reply = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
-    assert reply.usage is not None
-    stats = keeper.ledger.stats()
-    assert (stats["active"], stats["admitted"]) == (0, 1)
-    assert stats["peak"] >= reply.usage.prompt_tokens
+    _, stats = wrapped_call_through(cluster.url, pool, shared=False)
     other = RedisLedger(cluster.url, 5000, pool=pool)  # another replica sees what the keeper booked
     assert other.stats()["peak"] == stats["peak"]
     other.close()

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ._exceptions import ConfigurationError, ContextKeeperError, TranscriptUnavailable, UnknownCall
-from .transcript import Transcript, _Row, safe_url
+from .transcript import Transcript, _content, _Row, safe_url
 
 if TYPE_CHECKING:
     import psycopg
@@ -623,23 +623,6 @@ class PostgresTranscript(Transcript):
             if self._db is not None and self._pid == os.getpid():
                 self._db.close()
             self._db = None
-
-
-def _content(row: _Row) -> list[Any]:
-    """The columns both the insert and the update write, in their order."""
-    return [
-        row.inputs,
-        row.sent,
-        row.tools,
-        row.received,
-        row.dropped,
-        row.rewritten,
-        row.report,
-        row.usage,
-        row.error,
-        row.attempts,
-        row.state,
-    ]
 
 
 def _password_of(url: str) -> str | None:
