@@ -419,14 +419,14 @@ generation prompt). **Prefix kept**: the common prefix of a prompt's token ids a
 previous prompt's length (mean over the calls, and its 10th percentile); **prefill**: the prompt's tokens beyond
 that prefix; **new**: the tokens the untrimmed chat grew by; **history use**: prompt tokens over the prompt budget;
 **cost**: prefill plus {price:g} × reused tokens per call (a reused token's cost beside a prefilled one on a
-self-hosted server; hosted prompt caching bills about 0.1). Goals (issue 22):
+self-hosted server; hosted prompt caching bills about 0.1). Goals:
 prefix kept ≥ 95%, p10 ≥ 80%, prefill ≤ 2 × new, history use ≥ 75%; ✗ marks a goal missed.
 
 * contextkeeper default: `policy="default"` (its window leaves 5% of the budget free after a cut);
 * contextkeeper cache-aware: the same steps closed by `[[steps]] strategy = "sliding_window"`,
   `hysteresis = {h:g}`, `cached_price = {price:g}` (cut to {low:.0%} of the budget, append until it is full);
-* contextkeeper `policy="agent"` (strategies/agent.toml: pruning at 80% of the budget in large batches, and the
-  same cache-aware window);
+* contextkeeper `policy="agent"` (strategies/agent.toml: pruning at 80% of the budget in large batches,
+  dedupe over the budget, a cache-aware window with `hysteresis = 0.4`);
 * LangChain `trim_messages(strategy="last", start_on="human", include_system=True)`, exact template counter (the
   server's ids; `strategy="last"` hands the counter partial lists in reverse order, which Llama 3's and Gemma 4's
   templates refuse: those are counted in order, from their first message that is not a tool result, after an
@@ -456,10 +456,11 @@ def reading(main: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> list[str
             continue
         ok = meets(row)
         missed = [name for name, good in ok.items() if not good]
+        peer = by.get((template_name, context, "LangChain trim_messages"))
         lines.append(
             f"* {template_name}, {context:,}: cache-aware keeps {_pct(row['kept'])} of the previous prompt "
             f"(default {_pct(by[template_name, context, 'contextkeeper default']['kept'])}, LangChain "
-            f"{_pct(by.get((template_name, context, 'LangChain trim_messages'), {}).get('kept', float('nan')))}); "
+            f"{_pct(peer['kept']) if peer else 'not run'}); "
             + ("every goal met." if not missed else f"missed: {', '.join(missed)}.")
         )
     return lines
