@@ -444,3 +444,35 @@ def test_a_fork_shares_the_piece_cache_but_not_the_resume_state() -> None:
     grown = [*chat, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "And trains?"}]
     assert side.count(grown) == fresh_count("Qwen-Qwen2.5-7B-Instruct", "qwen2", grown, None)
     assert counter.count(grown, tools=TOOLS) == fresh_count("Qwen-Qwen2.5-7B-Instruct", "qwen2", grown, TOOLS)
+
+
+@pytest.mark.parametrize(("name", "vocab"), [("Qwen-Qwen3-0.6B", "qwen2"), ("openai-gpt-oss-120b", "harmony-on-qwen2")])
+def test_a_prompt_counted_again_is_rendered_again_only_when_something_changed(
+    name: str, vocab: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fit counts its final prompt, then reads that prompt's text for its prefix report: the second read takes
+    the counter's last render. Anything else (other messages, tools or flag; a template that writes the date,
+    once its second has passed) renders, and every count equals the template applied whole."""
+    counter = ck.HFChatTemplateCounter(hf_tokenizer(vocab), chat_template=template(name))
+    renders: list[int] = []
+    own = counter._server_segments
+    monkeypatch.setattr(counter, "_server_segments", lambda *a: renders.append(1) or own(*a))
+    clock = [1_000_000.0]
+    monkeypatch.setattr("contextkeeper.tokens.hf.time.time", lambda: clock[0])
+    messages = _long_conversation(8)
+    expected = fresh_count(name, vocab, messages, TOOLS)
+    assert counter.count(messages, tools=TOOLS) == expected
+    assert counter.count(list(messages), tools=TOOLS) == expected
+    assert len(renders) == 1  # the same dicts are the same validated messages: nothing to render
+    assert counter.count(messages, tools=None) == fresh_count(name, vocab, messages, None)
+    assert counter.count(messages, tools=TOOLS) == expected
+    assert len(renders) == 3
+    edited = [*messages[:-1], {"role": "user", "content": "Summarise, in one line."}]
+    assert counter.count(edited, tools=TOOLS) == fresh_count(name, vocab, edited, TOOLS)
+    assert len(renders) == 4
+    closed = counter.count(edited, tools=TOOLS, add_generation_prompt=False)
+    assert len(renders) == 5
+    assert closed < counter.count(edited, tools=TOOLS)
+    clock[0] += 1  # a template that writes the date renders anew in the next second; others need not
+    assert counter.count(edited, tools=TOOLS) == fresh_count(name, vocab, edited, TOOLS)
+    assert len(renders) == (7 if counter.renders_date else 6)

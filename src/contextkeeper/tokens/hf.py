@@ -7,7 +7,9 @@ import json
 import logging
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import jinja2
@@ -208,6 +210,18 @@ def _without_unicode_forms(tokenizer: Any) -> Any:
     return clone
 
 
+@dataclass(frozen=True)
+class _LastPrompt:
+    """A counter's previous render: its messages (compared by identity), tools, flag, segments and media."""
+
+    messages: tuple[Message, ...]
+    tools: list[dict[str, Any]] | None
+    add_generation_prompt: bool
+    second: int  # the clock's second when rendered, for templates that write the date (else 0)
+    segments: tuple[str, ...]
+    media: tuple[tuple[int, ContentPart], ...]
+
+
 class _FrozenTools(list):  # type: ignore[type-arg]
     """A counter's deep copy of tool schemas; nothing ever changes it."""
 
@@ -289,6 +303,7 @@ class HFChatTemplateCounter:
         )
         self._last_view: tuple[tuple[Message, ...], list[dict[str, Any]], list[tuple[int, ContentPart]]] = ((), [], [])
         self._last_conversation: Conversation | None = None
+        self._last_prompt: _LastPrompt | None = None
         self._tools: list[dict[str, Any]] | None = None
         self.incremental = incremental
         self._renderers: dict[str, IncrementalRenderer | None] = {}
@@ -358,12 +373,30 @@ class HFChatTemplateCounter:
         """The rendered prompt (in segments, see ``IncrementalRenderer.render_segments``), the non-text parts and
         the counter's copy of the tools."""
         conversation = self._conversation(messages)
+        tool_list = self._tool_list(tools)
+        # A template that writes the date or time renders anew once the clock's second has moved on.
+        second = int(time.time()) if self.renders_date else 0
+        last = self._last_prompt
+        if (
+            last is not None
+            and last.second == second
+            and last.tools is tool_list
+            and last.add_generation_prompt == add_generation_prompt
+            and len(last.messages) == len(conversation.messages)
+            and shared_prefix(conversation.messages, last.messages) == len(last.messages)
+        ):
+            # The same messages (by identity) and tools as the previous call: a fit counts its final prompt, then
+            # takes that very prompt's text for its prefix report.
+            return list(last.segments), list(last.media), tool_list
         plain, media = self._view(conversation)
         plain = self.dialect.prepare_conversation(
             plain, conversation.messages, self._template_text, add_generation_prompt
         )
-        tool_list = self._tool_list(tools)
-        return self._server_segments(plain, tool_list, add_generation_prompt), media, tool_list
+        segments = self._server_segments(plain, tool_list, add_generation_prompt)
+        self._last_prompt = _LastPrompt(
+            conversation.messages, tool_list, add_generation_prompt, second, tuple(segments), tuple(media)
+        )
+        return segments, media, tool_list
 
     def _server_segments(
         self, plain: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
@@ -636,6 +669,7 @@ class HFChatTemplateCounter:
         clone._lock = threading.Lock()
         clone._last_view = ((), [], [])
         clone._last_conversation = None
+        clone._last_prompt = None
         clone._tools = None
         clone._renderers = {}
         if self._pieces is not None:
