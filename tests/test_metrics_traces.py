@@ -21,7 +21,6 @@ pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("opentelemetry.sdk")
 
-import httpx2
 import openai
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -29,7 +28,6 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.util._once import Once
-from prometheus_client.parser import text_string_to_metric_families
 
 import contextkeeper as ck
 from assets import require_assets, tokenizer_dir
@@ -37,7 +35,7 @@ from conftest import hf_tokenizer
 from contextkeeper import tracing
 from contextkeeper.proxy import Proxy
 from openai_server import ChatServer
-from proxy_helpers import route, running_proxy
+from proxy_helpers import route, running_proxy, scrape, total
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima")
 CONTEXT = 1024
@@ -70,21 +68,6 @@ def upstream(tokenizer: Any) -> Iterator[ChatServer]:
 
 
 # ---------------------------------------------------------------------------------------------------- metrics
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = httpx2.get(f"{url}/metrics", timeout=10).text
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    want = set(labels.items())
-    return sum(value for (key, got), value in samples.items() if key == name and want <= got)
 
 
 def test_metrics_count_what_the_requests_did(tokenizer: Any, upstream: ChatServer) -> None:

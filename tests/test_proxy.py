@@ -394,6 +394,9 @@ def test_debug_endpoint_has_the_last_fit(proxy: ProxyServer) -> None:
         raw.headers["x-contextkeeper-messages-dropped"]
     )
     assert sum(v for k, v in data["report"]["slots"].items() if k != "answer") == data["prompt_tokens"]
+    timing = raw.headers["server-timing"]  # the fit's own time, in milliseconds
+    assert timing.startswith("fit;dur=")
+    assert float(timing.removeprefix("fit;dur=")) == pytest.approx(data["report"]["seconds"] * 1000, abs=0.001)
     assert data["call"]["attempts"] == 1
     assert data["call"]["server_prompt_tokens"] == data["prompt_tokens"]
     listed = httpx2.get(f"{proxy.url}/contextkeeper/conversations", timeout=10).json()
@@ -429,6 +432,18 @@ def test_conversation_identity_from_each_source(
         for name in ("from-header", "user-7", "cache-3", derived)
     }
     assert sources == {"from-header": "header", "user-7": "user", "cache-3": "prompt_cache_key", derived: "derived"}
+
+
+def test_answers_are_not_held_for_a_delayed_ack(proxy: ProxyServer) -> None:
+    # With Nagle's algorithm on the proxy's sockets, an answer's body waits for the client's delayed ACK of its
+    # headers: every answer then takes 40 ms or more, however little the proxy does.
+    with httpx2.Client(timeout=10) as client:
+        seconds = []
+        for _ in range(15):
+            started = time.perf_counter()
+            assert client.get(f"{proxy.url}/contextkeeper/conversations").status_code == 200
+            seconds.append(time.perf_counter() - started)
+    assert min(seconds) < 0.03  # the fastest of them: a busy machine slows some answers, Nagle's holds every one
 
 
 # ------------------------------------------------------------------------------------------------ auth

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -272,10 +272,11 @@ class _AsyncStream:
 class OpenAIBackend:
     """Sends the fitted prompt with ``chat.completions.create``, the SDK's own retries off."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, *, create: Callable[..., Any] | None = None) -> None:
+        """``create`` replaces ``chat.completions.create`` (the proxy posts bodies that are already wire JSON)."""
         with_options = getattr(client, "with_options", None)
         sender = with_options(max_retries=0) if callable(with_options) else client
-        self.create = sender.chat.completions.create
+        self.create = create or sender.chat.completions.create
         self.server = str(getattr(client, "base_url", "openai"))
         self.kind = kind_of_url(self.server)
 
