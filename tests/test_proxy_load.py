@@ -240,9 +240,4 @@ def test_two_proxies_share_one_redis_ledger(tokenizer: Any, tmp_path: Path, caps
     assert sum(total(s, "contextkeeper_admission_waits_total", entry=LOAD) for s in per_proxy) > 0
     assert all(total(s, "contextkeeper_kv_peak_tokens", entry=LOAD) == pool_state["peak"] for s in per_proxy)
 
-    if run.errors and all("MaxConnectionsError: Too many connections" in error for error in run.errors):
-        # Known: redis-py 8's asyncio pool refuses a 101st connection at once, and each call waiting for KV room
-        # polls the ledger on its own connection. Fix (contextkeeper/_redis.py, _single_async): a
-        # redis.asyncio.BlockingConnectionPool, which waits for a free connection. Delete this branch with it.
-        pytest.xfail(f"{len(run.errors)} requests refused by the ledger's Redis connection pool (max 100)")
     assert run.errors == []

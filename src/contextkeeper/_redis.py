@@ -60,16 +60,37 @@ def _redis(module: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------- one server
+# Connections a client opens to one server at most. Every call waiting for KV room polls the ledger, so a busy
+# process has as many commands in flight as waiting calls: past this many they wait for a free connection (a
+# blocking pool, for at most the client's timeout) instead of redis-py's plain pool refusing them at once.
+CONNECTIONS = 100
+
+
 def _single_sync(url: str, target: RedisTarget | None, timeout: float) -> Any:
     import redis
 
-    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30)
+    pool = redis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=CONNECTIONS,
+        timeout=timeout,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        health_check_interval=30,
+    )
+    client = redis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # the client's close() closes the pool it was given
+    return client
 
 
 def _single_async(url: str, target: RedisTarget | None, timeout: float) -> Any:
     import redis.asyncio as aioredis
 
-    return aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=CONNECTIONS, timeout=timeout, socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    client = aioredis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True
+    return client
 
 
 def _single_parse(url: str) -> RedisTarget | None:
