@@ -585,3 +585,60 @@ def test_cli_serve_listens_and_fits(upstream: RecordingChatServer, tokenizer: An
         process.terminate()
         assert process.wait(timeout=20) == 0  # SIGTERM: a clean shutdown
     assert lines.empty()  # one line, nothing more
+
+
+# ------------------------------------------------------------------------------------------------ live
+
+
+@pytest.mark.server
+def test_a_long_chat_through_the_proxy_to_llama_server() -> None:
+    """40 turns through the proxy in front of a real llama-server (a tiny model on the qwen2 vocabulary, with the
+    recorded template), half of them streamed, with tools and tool rounds: the server counts every prompt as the
+    proxy's header says, nothing is refused, and late turns are fitted into the server's context."""
+    from server_corpus import TEXTS, TOOL_SHAPES
+    from test_dialects import RECORDED, _live
+
+    vocab, context, answer = "qwen2", 2048, 16
+    tools = TOOL_SHAPES["tools-full"]
+    texts = list(TEXTS.values())
+    with _live(vocab, context) as server:
+        keeper = ck.ContextKeeper(
+            str(tokenizer_dir(vocab)),
+            chat_template=template(RECORDED[vocab]["template"]),
+            context_window=context,
+            server="llama.cpp",
+        )
+        with running_proxy([route(keeper)], f"{server.url}/v1") as proxy:
+            client = sdk(proxy)
+            chat: list[dict[str, Any]] = [{"role": "system", "content": "Answer briefly."}]
+            trimmed = 0
+            for turn in range(40):
+                chat.append({"role": "user", "content": f"{turn}: {texts[turn % len(texts)]}"})
+                if turn % 4 == 3:
+                    call = {
+                        "id": f"c{turn}",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{}"},
+                    }
+                    chat.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    chat.append({"role": "tool", "tool_call_id": f"c{turn}", "content": texts[(turn + 3) % len(texts)]})
+                args: dict[str, Any] = {"model": "tiny", "messages": chat, "tools": tools, "max_tokens": answer}
+                if turn % 2:
+                    raw = client.chat.completions.with_raw_response.create(**args)
+                    reply = raw.parse()
+                    headers, usage, text = raw.headers, reply.usage, reply.choices[0].message.content or ""
+                else:
+                    with client.chat.completions.with_streaming_response.create(
+                        **args, stream=True, stream_options={"include_usage": True}
+                    ) as streamed:
+                        chunks = list(streamed.parse())
+                        headers = streamed.headers
+                    usage = chunks[-1].usage
+                    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                assert usage is not None, turn
+                sent = int(headers["x-contextkeeper-prompt-tokens"])
+                assert usage.prompt_tokens == sent, turn  # the server's own count of what the proxy sent
+                assert sent + answer <= context
+                trimmed += int(headers["x-contextkeeper-messages-dropped"]) > 0
+                chat.append({"role": "assistant", "content": text})
+    assert trimmed > 5  # the chat outgrew the server's context, so late turns were fitted
