@@ -1,8 +1,9 @@
 """What sharing costs per wrapped call: admission and transcript in this process vs in Redis and Postgres.
 
-A wrapped call admits its tokens (``acquire`` before the request, ``release`` after the reply) and writes the
-transcript ahead (``start`` before the request, committed; ``end`` after the reply). This measures exactly those
-four operations per call, on loopback, against a real ``redis-server`` and a real Postgres that the script starts
+A wrapped call writes the transcript ahead (``begin`` before its fit, waited for before the request leaves) and
+admits its tokens (``acquire``); after the reply it records it (``end(wait=False)``) and gives the tokens back
+(``release(wait=False)``), neither waited for. This measures exactly those operations per call, in that order, on
+loopback, against a real ``redis-server`` and a real Postgres that the script starts
 (tests/engines.py: temporary directories, free ports; Postgres with ``fsync=off``, so a commit costs no disk
 flush), for
 
@@ -10,8 +11,8 @@ flush), for
   :class:`~contextkeeper.redis_ledger.RedisLedger` (``acquire`` + ``release``; the capacity never makes a call
   wait, so this is the cost of booking, not of queueing);
 * **transcript**: ``MemoryTranscript``, ``SQLiteTranscript`` (a file in a temporary directory) and
-  ``PostgresTranscript`` (its fast write path; the reference path through psycopg's adapters; and the fast path
-  with ``synchronous_commit=off`` set in the URL) ``start`` + ``end``;
+  ``PostgresTranscript`` (its fast write path; the reference path through psycopg's adapters, which waits for
+  every write; and the fast path with ``synchronous_commit=off`` set in the URL) ``begin`` + ``wait`` + ``end``;
 * **both together**: in-process (Ledger + memory) vs shared (Redis + Postgres);
 * **whole wrapped calls** (``keeper.wrap(fn)`` to a model that answers at once, the keeper's fit included):
   in-process vs ``ledger=`` Redis (``shared=`` too, by default) and ``transcript=`` Postgres, one thread, the
@@ -19,12 +20,14 @@ flush), for
 
 The workload: 20 conversations of 100 turns each, a growing chat (a 1 kB system prompt, questions of 100 to 600
 characters, answers of 200 to 900), the conversations interleaved round-robin in one thread, and the same 2,000
-calls from 4 threads at once (5 conversations each). Each call's prompt is either the whole chat (a fit that had
-nothing to trim) or the system prompt and the last 40 messages (a sliding window: the transcript stores that new
-list and records what was dropped). Per-call figures are p50 and p99 over the 2,000 calls; "added" is the p50
+calls from 4 threads at once (5 conversations each), back to back and then (the "both" rows) with a model call of
+5 to 15 ms inside each call (``--model-ms 10``; slept, not timed), as threads of an app spend most of a call waiting
+for the model. Each call's prompt is either the whole chat (a fit that had nothing to trim) or the system prompt
+and the last 40 messages (a sliding window: a new list on every call, which the transcript records as the inputs
+less what was dropped). Per-call figures are p50 and p99 over the 2,000 calls; "added" is the p50
 above the in-process row of the same kind, prompt and threads.
 
-    python benchmarks/bench_scaling.py [--conversations 20] [--turns 100] [--threads 4] [--quick]
+    python benchmarks/bench_scaling.py [--conversations 20] [--turns 100] [--threads 4] [--model-ms 10] [--quick]
 
 Writes benchmarks/results/scaling.json and prints a markdown table.
 """
@@ -71,6 +74,7 @@ class Row:
     setup: str
     prompt: str  # a key of PROMPTS ("" for admission, which does not depend on it)
     threads: int
+    model_ms: float = 0.0  # a model call of this long inside each call, not timed (0: back to back)
     calls: int = 0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
@@ -107,25 +111,35 @@ class Chat:
         return self.messages, prompt, reply
 
 
-def one_call(ledger: Ledger | None, store: Transcript | None, chat: Chat, turn: int, window: int | None) -> float:
-    """The bookkeeping of one wrapped call, timed; the call itself (the model) is not."""
+def one_call(
+    ledger: Ledger | None, store: Transcript | None, chat: Chat, turn: int, window: int | None, model: float = 0.0
+) -> float:
+    """The bookkeeping of one wrapped call, timed; the call itself (the model) is not. In a wrapped call's order:
+    the inputs written ahead (``begin``), the tokens admitted, the inputs waited for (durable before the request
+    leaves); then the reply recorded and the tokens given back without waiting (``wait=False``)."""
     inputs, prompt, reply = chat.ask(turn, window)
     tokens = 200 + 3 * len(inputs)
     t0 = time.perf_counter()
+    begun = store.begin(inputs, conversation=chat.name) if store is not None else None
     ticket = ledger.acquire(tokens) if ledger is not None else None
-    started = store.start(inputs, conversation=chat.name) if store is not None else None
+    started = begun.wait() if begun is not None else None
+    if model:  # the model's time, not timed: the thread waits as for a reply (0.5 to 1.5 times `model`, so that
+        # the threads do not stay in step)
+        before = time.perf_counter() - t0
+        time.sleep(model * chat.rng.uniform(0.5, 1.5))
+        t0 = time.perf_counter() - before
     if store is not None and started is not None:
-        store.end(started, None, sent=prompt, received=reply, usage={"prompt_tokens": tokens})
+        store.end(started, None, wait=False, sent=prompt, received=reply, usage={"prompt_tokens": tokens})
     if ticket is not None:
-        ticket.release()
+        ticket.release(wait=False)
     seconds = time.perf_counter() - t0
     chat.messages.append(reply)
     return seconds
 
 
-def measure(setup: Setup, prompt: str, conversations: int, turns: int, threads: int) -> Row:
+def measure(setup: Setup, prompt: str, conversations: int, turns: int, threads: int, model_ms: float = 0.0) -> Row:
     ledger, store = setup.make()
-    row = Row(setup.kind, setup.name, "" if setup.kind == "admission" else prompt, threads)
+    row = Row(setup.kind, setup.name, "" if setup.kind == "admission" else prompt, threads, model_ms=model_ms)
     window = PROMPTS[prompt]
     try:
         warm = Chat(10_000)
@@ -142,7 +156,7 @@ def measure(setup: Setup, prompt: str, conversations: int, turns: int, threads: 
                 barrier.wait(timeout=60)
                 for turn in range(turns):
                     for chat in groups[index]:  # interleaved: each conversation's turn follows the others'
-                        samples[index].append(one_call(ledger, store, chat, turn, window))
+                        samples[index].append(one_call(ledger, store, chat, turn, window, model_ms / 1000))
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
@@ -243,14 +257,15 @@ def setups(redis_url: str, postgres_url: str, folder: Path) -> list[Setup]:
 
 def table(rows: list[Row]) -> list[str]:
     out = [
-        "| what | setup | prompt | threads | calls | p50 | p99 | mean | added p50 | wall |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| what | setup | prompt | threads | model call | calls | p50 | p99 | mean | added p50 | wall |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         added = "" if r.added_p50_ms is None else f"{r.added_p50_ms:+.3f} ms"
+        model = f"{r.model_ms:g} ms" if r.model_ms else ""
         out.append(
-            f"| {r.kind} | {r.setup} | {r.prompt} | {r.threads} | {r.calls:,} | {r.p50_ms:.3f} ms | {r.p99_ms:.3f} ms "
-            f"| {r.mean_ms:.3f} ms | {added} | {r.wall_s:.1f} s |"
+            f"| {r.kind} | {r.setup} | {r.prompt} | {r.threads} | {model} | {r.calls:,} | {r.p50_ms:.3f} ms "
+            f"| {r.p99_ms:.3f} ms | {r.mean_ms:.3f} ms | {added} | {r.wall_s:.1f} s |"
         )
     return out
 
@@ -281,6 +296,9 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=20)
     parser.add_argument("--turns", type=int, default=100, help="calls per conversation")
     parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument(
+        "--model-ms", type=float, default=10.0, help="the model call inside each call of the last rows (not timed)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 conversations of 10 turns")
     parser.add_argument("--no-write", action="store_true", help="print only; leave the results file alone")
     args = parser.parse_args()
@@ -291,20 +309,24 @@ def main() -> int:
     rows: list[Row] = []
     with engines() as (redis_server, postgres), tempfile.TemporaryDirectory(prefix="ck-bench-") as folder:
         env = versions(redis_server.url, postgres.url)
-        for threads in (1, args.threads):
+        runs = [(1, 0.0), (args.threads, 0.0), (args.threads, args.model_ms)]
+        for threads, model_ms in runs:
             for prompt in PROMPTS:
                 base: dict[str, float] = {}
                 for setup in setups(redis_server.url, postgres.url, Path(folder)):
                     if setup.kind == "admission" and prompt != next(iter(PROMPTS)):
                         continue  # (admission does not depend on the prompt)
-                    row = measure(setup, prompt, args.conversations, args.turns, threads)
+                    if model_ms and setup.kind != "both":
+                        continue  # (with a model call: the whole bookkeeping, in process and shared)
+                    row = measure(setup, prompt, args.conversations, args.turns, threads, model_ms)
                     if row.kind in base:  # each kind's first setup is the in-process one
                         row.added_p50_ms = round(row.p50_ms - base[row.kind], 3)
                     else:
                         base[row.kind] = row.p50_ms
                     rows.append(row)
                     print(
-                        f"{row.kind}: {row.setup}, {prompt}, {threads} thread(s): p50 {row.p50_ms:.3f} ms",
+                        f"{row.kind}: {row.setup}, {prompt}, {threads} thread(s), model {model_ms:g} ms: "
+                        f"p50 {row.p50_ms:.3f} ms",
                         file=sys.stderr,
                     )
         local = wrapped("in-process (ledger, memory transcript)", {}, args.conversations, args.turns)
@@ -317,8 +339,12 @@ def main() -> int:
         shared.added_p50_ms = round(shared.p50_ms - local.p50_ms, 3)
         rows += [local, shared]
         print(f"wrapped call: p50 {local.p50_ms:.3f} ms in-process, {shared.p50_ms:.3f} ms shared", file=sys.stderr)
-    given = (args.conversations, args.turns, args.threads)
-    flags = "" if given == (20, 100, 4) else " --conversations {} --turns {} --threads {}".format(*given)
+    given = (args.conversations, args.turns, args.threads, args.model_ms)
+    flags = (
+        ""
+        if given == (20, 100, 4, 10.0)
+        else " --conversations {} --turns {} --threads {} --model-ms {:g}".format(*given)
+    )
     if load is not None:
         env["load average"] = f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     lines = [

@@ -6,6 +6,7 @@ Each test has its own schema (or, for the wrapped chat, its own database) in one
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -114,12 +115,17 @@ def _script(store: Transcript) -> None:
     tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
     for turn in range(6):
         chat.append({"role": "user", "content": f'question {turn} {{braces}} "q" \\n'})
-        started = store.start(chat, conversation="a", tools=tools if turn % 2 else None, time=1000.0 + turn)
+        if turn % 2:  # as a wrapped call writes: begun, waited for, ended without waiting
+            begun = store.begin(chat, conversation="a", tools=tools, time=1000.0 + turn)
+            started = begun.wait()
+        else:
+            started = store.start(chat, conversation="a", time=1000.0 + turn)
         reply = {"role": "assistant", "content": f"answer {turn}"}
         if turn == 3:
-            store.end(started, None, error=TimeoutError("slow"), attempts=3)
+            store.end(started, None, wait=False, error=TimeoutError("slow"), attempts=3)
         else:
-            store.end(started, None, sent=[chat[0], *chat[-3:]], received=reply, usage={"prompt_tokens": turn})
+            sent = chat if turn == 4 else [chat[0], *chat[-3:]]  # the whole chat, or a window of it
+            store.end(started, None, wait=turn != 5, sent=sent, received=reply, usage={"prompt_tokens": turn})
         chat.append(reply)
         store.add(chat[-2:], None, sent=chat[-1:], conversation="b", time=2000.0 + turn)
     store.start([*chat, {"role": "user", "content": "never answered"}], conversation="a", time=3000.0)
@@ -151,6 +157,56 @@ def test_postgres_holds_what_sqlite_holds_and_both_write_paths_store_the_same_ro
         assert rows[0]
     for store in (fast, reference, lite):
         store.close()
+
+
+def test_writes_left_in_flight_land_before_anything_reads_and_a_failed_one_is_logged(
+    postgres: PostgresServer, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = PostgresTranscript(postgres.url, schema=schema)
+    other = PostgresTranscript(postgres.url, schema=schema)  # another replica
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    begun = store.begin(chat, conversation="c")
+    started = begun.wait()
+    assert begun.wait() is started  # waited once
+    assert other.get(started.call).status == "pending"  # durable, and its writer's session is alive
+    store.end(started, None, wait=False, sent=chat, received={"role": "assistant", "content": "hello"})
+    assert store.history("c")[-1] == {"role": "assistant", "content": "hello"}  # this process reads its own end
+    store.flush()
+    assert other.get(started.call).status == "ok"
+    # An end whose call is unknown: logged when its answer is read (by the next use), not raised into the caller.
+    ghost = dataclasses.replace(started, call=10_000)
+    store.end(ghost, None, wait=False, sent=chat, received={"role": "assistant", "content": "lost"})
+    assert len(store) == 1
+    assert "could not complete call 10000" in caplog.text
+    again = store.start([*chat, {"role": "user", "content": "again"}], conversation="c")
+    assert again.call == 2
+    store.close()
+    other.close()
+
+
+def test_a_prompt_that_is_the_inputs_less_the_dropped_ones_stores_no_path_of_its_own(
+    postgres: PostgresServer, schema: str
+) -> None:
+    store = PostgresTranscript(postgres.url, schema=schema)
+    chat = [{"role": "system", "content": "Be brief."}] + [
+        {"role": "user" if i % 2 else "assistant", "content": f"message {i}"} for i in range(1, 12)
+    ]
+    started = store.start(chat, conversation="w")
+    nodes = sql(postgres, f'SELECT count(*) FROM "{schema}".nodes')[0][0]
+    window = [chat[0], *chat[-4:]]
+    store.end(started, None, sent=window, received={"role": "assistant", "content": "ok"})
+    assert sql(postgres, f'SELECT count(*) FROM "{schema}".nodes')[0][0] == nodes  # the window is not stored again
+    assert sql(postgres, f'SELECT sent FROM "{schema}".calls') == [(None,)]
+    entry = store.get(started.call)
+    assert entry.sent == tuple(window)
+    assert entry.dropped == tuple(range(1, 8))
+    # A prompt with a message of its own (a rewrite) is stored as its own path.
+    rewritten = [chat[0], {"role": "user", "content": "message 1, shortened"}, *chat[-2:]]
+    started = store.start(chat, conversation="w")
+    store.end(started, None, sent=rewritten, received={"role": "assistant", "content": "ok"})
+    assert store.get(started.call).sent == tuple(rewritten)
+    assert sql(postgres, f'SELECT count(*) FROM "{schema}".nodes')[0][0] > nodes
+    store.close()
 
 
 def test_a_reopened_transcript_continues_and_a_closed_one_says_so(postgres: PostgresServer, schema: str) -> None:
@@ -340,7 +396,8 @@ def test_a_version_1_schema_is_migrated_and_keeps_its_calls(postgres: PostgresSe
 def test_a_schema_newer_than_this_code_is_refused(postgres: PostgresServer, schema: str) -> None:
     PostgresTranscript(postgres.url, schema=schema).close()
     sql(postgres, f"UPDATE {schema}.meta SET value = '99' WHERE key = 'version'")
-    with pytest.raises(ck.ConfigurationError, match=r"version 99, newer.*up to 2\).*upgrade contextkeeper"):
+    newest = len(MIGRATIONS)
+    with pytest.raises(ck.ConfigurationError, match=rf"version 99, newer.*up to {newest}\).*upgrade contextkeeper"):
         PostgresTranscript(postgres.url, schema=schema)
 
 

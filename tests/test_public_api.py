@@ -248,6 +248,7 @@ INTERNAL: dict[str, str] = {
     "contextkeeper.tokens.ToolFreezing": COUNTER_ABILITY,
     "contextkeeper.tokens.detect_content_format": "load_counter's content_format='auto' rule; in contextkeeper.tokens",
     "contextkeeper.tokens.load_hf_tokenizer": "the tokenizer loading behind load_counter; in contextkeeper.tokens",
+    "contextkeeper.transcript.Begun": "what Transcript.begin returns (the write-ahead in two halves)",
     "contextkeeper.transcript.MemoryTranscript": TRANSCRIPT,
     "contextkeeper.transcript.SQLiteTranscript": TRANSCRIPT,
     "contextkeeper.transcript.check_transcript": TRANSCRIPT,

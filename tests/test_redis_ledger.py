@@ -141,6 +141,56 @@ def test_a_stale_holder_cannot_release_what_the_pool_took_back(redis_server: Red
     frozen.close()
 
 
+def test_a_release_behind_goes_with_the_next_admission_or_on_its_own(redis_server: RedisServer, pool: str) -> None:
+    ledger = RedisLedger(redis_server.url, 1000, pool=pool, poll=0.5)
+    held = ledger.acquire(800)
+    held.release(wait=False)
+    assert held.released
+    # The queued release goes with this admission's own script: its writer would send it only after `poll`.
+    ticket = ledger.acquire(800, timeout=0.05)
+    assert ticket.tokens == 800
+    other = RedisLedger(redis_server.url, 1000, pool=pool)
+    ticket.release(wait=False)  # and no admission of this ledger follows: its writer sends it within `poll`
+    started = time.monotonic()
+    with other.admit(1000, timeout=5):
+        assert time.monotonic() - started < 0.5 + 0.5
+    again = ledger.acquire(300)
+    again.release(wait=False)
+    assert ledger.available() == 1000  # this process's reads count its releases behind
+    ledger.close()
+    other.close()
+
+
+def test_a_stale_holder_cannot_release_behind_what_the_pool_took_back(redis_server: RedisServer, pool: str) -> None:
+    frozen = RedisLedger(redis_server.url, 1000, pool=pool, lease=0.3)
+    frozen._stop.set()  # a process that froze: no heartbeat
+    stale = frozen.acquire(800)
+    time.sleep(0.5)
+    live = RedisLedger(redis_server.url, 1000, pool=pool)
+    with live.admit(900):
+        stale.release(wait=False)
+        frozen.flush()
+        assert stale.expired  # fenced: nothing given back twice
+        assert live.available() == 100
+    live.close()
+    frozen.close()
+
+
+def test_the_admission_reads_the_server_facts_stored_under_the_pool(redis_server: RedisServer, pool: str) -> None:
+    ledger = RedisLedger(redis_server.url, 1000, pool=pool)
+    key = ledger.facts_key("http://server.test/v1")
+    assert key.startswith(f"{{ck:{pool}}}:")  # the pool's hash tag: one Cluster slot with the admission's keys
+    with ledger.admit(10) as plain:
+        assert plain.facts is None
+    with ledger.admit(10) as none_yet:  # (through the same path as below, nothing stored)
+        assert none_yet.facts is None
+    ledger.client.set(key, '{"limit":1024}')
+    ticket = ledger.acquire(10, facts="http://server.test/v1")
+    assert ticket.facts == '{"limit":1024}'
+    assert ledger.acquire(10, facts="http://other.test/v1").facts is None
+    ledger.close()
+
+
 def test_a_killed_process_gives_its_tokens_back_within_the_lease(redis_server: RedisServer, pool: str) -> None:
     command = [sys.executable, str(WORKER), "hold", redis_server.url, pool, "1000", "--tokens", "700", "--lease", "1"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)

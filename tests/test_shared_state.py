@@ -18,6 +18,7 @@ from contextkeeper._exceptions import ConfigurationError
 from contextkeeper.shared import ServerFacts, SharedState, SharedUnavailable, SummaryClaim
 from engines import RedisCluster, RedisServer
 from openai_server import ChatServer
+from strategy_state import plain_chat
 from test_detection import LLAMA, _answering, _keeper
 
 WORKER = Path(__file__).parent / "shared_worker.py"
@@ -72,6 +73,44 @@ def test_a_second_process_is_never_refused_for_what_the_first_learned(redis_serv
         assert alone["attempts"] == 2, alone
         assert server.rejected == 2
         assert all(r.prompt_tokens <= 1024 for r in server.requests if r.status == 200)
+
+
+def test_a_running_replica_takes_what_another_learned_with_its_admission(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replicas with ``ledger=`` on the shared state's Redis: once a replica has read the server's facts, each later
+    call gets them with its admission (no read of its own), and is not refused for what another replica learned
+    meanwhile."""
+    from contextkeeper.backends.calls import calls_of
+
+    assets.require_assets()
+    tokenizer = str(assets.tokenizer_dir("qwen2"))
+    url = f"redis://127.0.0.1:{redis_server.port}/2"
+    pool = f"facts-{time.monotonic_ns()}"
+    chat = plain_chat(30)
+    with ChatServer(tokenizer, max_model_len=1024, hidden_tokens=40) as server:
+        keepers = [ck.ContextKeeper(tokenizer, context_window=4096, ledger=url, ledger_pool=pool) for _ in range(2)]
+        running, learning = (
+            keeper.wrap(openai.OpenAI(base_url=server.base_url, api_key="t", max_retries=0), backoff=0)
+            for keeper in keepers
+        )
+        running.chat.completions.create(model="m", messages=chat[:3], max_tokens=64)  # short: nothing to learn
+        assert calls_of(keepers[0]).facts_ledger is keepers[0].ledger
+        learning.chat.completions.create(model="m", messages=chat, max_tokens=64)
+        assert keepers[1].last_call is not None
+        assert keepers[1].last_call.attempts == 2  # refused once: it learned
+        keepers[1].shared.flush()
+        shared, reads = keepers[0].shared, []
+        monkeypatch.setattr(shared, "server", lambda name: reads.append(name) or SharedState.server(shared, name))
+        running.chat.completions.create(model="m", messages=chat, max_tokens=64)
+        report = keepers[0].last_call
+        assert report is not None
+        assert report.attempts == 1, report  # never refused
+        assert report.withheld == 4096 - 1024 + 40
+        assert reads == []  # the facts came with the admission: no read of their own
+        assert server.rejected == 1
+        for keeper in keepers:
+            keeper.close()
 
 
 def test_one_conversation_fitted_by_four_processes_is_summarised_once(

@@ -38,6 +38,17 @@ __all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTo
 log = logging.getLogger("contextkeeper")
 
 
+def _reads_facts(ledger: object, shared: object) -> bool:
+    """Whether ``ledger``'s admissions can read the server facts ``shared`` keeps: a Redis ledger on the same Redis
+    (one URL); different URLs stay apart."""
+    if ledger is None or shared is None:
+        return False
+    from .redis_ledger import RedisLedger
+    from .shared import SharedState
+
+    return isinstance(ledger, RedisLedger) and isinstance(shared, SharedState) and ledger.url == shared.url
+
+
 def _is_shared_state(value: object) -> bool:
     from .shared import SharedState
 
@@ -418,11 +429,13 @@ class ContextKeeper:
                 self.model, self.gpu, concurrency=self.concurrency, runtime=self.runtime, kv_dtype=self.kv_dtype
             )
             source = "planned"
+        ledger, shared = self._ledger(capacity, source), self.shared
         calls = Calls(
             keeper=self,
-            ledger=self._ledger(capacity, source),
+            ledger=ledger,
             transcript=open_transcript(settings["transcript"]),
-            shared=self.shared,
+            shared=shared,
+            facts_ledger=ledger if _reads_facts(ledger, shared) else None,
         )
         self._calls = calls
         return calls

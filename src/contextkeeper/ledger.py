@@ -125,6 +125,9 @@ class Ticket:
     lease: float | None = None
     expires: float | None = field(default=None, repr=False)  # time.monotonic() deadline
     expired: bool = False
+    # The shared facts about a server, as JSON, read by a shared ledger's admission script (RedisLedger.acquire's
+    # ``facts=``); None: not asked, or none stored.
+    facts: str | None = field(default=None, repr=False)
 
     def renew(self) -> None:
         """Start the lease again (a stream calls it with every chunk)."""
@@ -137,9 +140,10 @@ class Ticket:
         :class:`ExceedsCapacity`."""
         self.ledger._resize(self, _check_tokens(tokens))
 
-    def release(self) -> None:
-        """Give the tokens back (idempotent)."""
-        self.ledger._release(self)
+    def release(self, *, wait: bool = True) -> None:
+        """Give the tokens back (idempotent). ``wait=False`` (what wrapped calls do): a shared ledger may send the
+        release behind and return at once; until it lands, its lease keeps the tokens booked."""
+        self.ledger._release(self, wait=wait)
 
 
 def _check_tokens(tokens: int, what: str = "tokens") -> int:
@@ -333,7 +337,7 @@ class Ledger:
                 with contextlib.suppress(RuntimeError):  # its loop has closed: nobody is waiting there
                     waiter.loop.call_soon_threadsafe(_resolve, future)
 
-    def _release(self, ticket: Ticket) -> None:
+    def _release(self, ticket: Ticket, *, wait: bool = True) -> None:
         with self._lock:
             self._drop(ticket)
 

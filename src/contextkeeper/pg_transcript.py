@@ -30,12 +30,14 @@ session are owned by the new one.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import re
 import select
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     import psycopg
 
 __all__ = ["MIGRATIONS", "PostgresTranscript", "TranscriptUnavailable"]
+
+log = logging.getLogger("contextkeeper")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +95,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE {schema}.calls ADD COLUMN state text NOT NULL DEFAULT 'done' "
             "CHECK (state IN ('begun', 'done')), ADD COLUMN owner text",
         ),
+    ),
+    Migration(
+        version=3,
+        name="a prompt that is the inputs without the dropped ones is not stored again: sent is NULL",
+        statements=("ALTER TABLE {schema}.calls ALTER COLUMN sent DROP NOT NULL",),
     ),
 )
 _LATEST = MIGRATIONS[-1].version
@@ -246,7 +255,9 @@ class PostgresTranscript(Transcript):
     as given and win over this class's defaults (but ``client_encoding``, always UTF8).
 
     ``fast_writes`` (class attribute, True): a write sends its parameters to libpq as the text it sends anyway;
-    False takes the reference path through psycopg's adapters (the tests hold the two equal).
+    False takes the reference path through psycopg's adapters (the tests hold the two equal). The fast path also
+    sends ``end(..., wait=False)`` without waiting for its commit (the reference waits): the next use of the
+    session reads its result first.
     """
 
     fast_writes = True
@@ -281,6 +292,10 @@ class PostgresTranscript(Transcript):
         )
         self._lock_key -= 1 << 63  # a signed bigint
         self._db: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._wait_seconds = connect_timeout + statement_timeout  # the longest a result left in flight takes
+        # The write sent on this session whose result is not read yet (begin(), end(wait=False)): read before the
+        # session's next use.
+        self._in_flight: _Flight | None = None
         self._pid = os.getpid()
         self._owner = ""
         self._prepared: set[str] = set()  # the fast writes prepared on the current session
@@ -358,8 +373,9 @@ class PostgresTranscript(Transcript):
         if self._pid != os.getpid():
             # A forked child: the connection is the parent's (psycopg leaves it open for the parent), and so are
             # the calls it began.
-            self._db, self._pid = None, os.getpid()
+            self._db, self._pid, self._in_flight = None, os.getpid(), None
             self._begun.clear()
+        self._settle()
         db = self._db
         if db is not None and (db.broken or db.closed or _gone(db)):
             db.close()
@@ -487,25 +503,174 @@ class PostgresTranscript(Transcript):
         if not self.fast_writes:  # the reference: psycopg adapts every value
             rows = self._run(name, [_ADAPT[kind](v) for kind, v in zip(kinds, values, strict=True)], db)
             return int(rows[0][0]) if rows else None
+        flight = self._send(name, values, db, _Flight(name=name))
+        self._settle()
+        if flight.error is not None:
+            raise flight.error
+        return flight.call
+
+    def _send(self, name: str, values: list[Any], db: psycopg.Connection[tuple[Any, ...]], flight: _Flight) -> _Flight:
+        """Send the write ``name`` (fast path: its parameters as the text libpq sends) without waiting for its
+        result, which :meth:`_settle` reads into ``flight``."""
         import psycopg
 
-        params = [None if v is None else _ENCODE[kind](v) for kind, v in zip(kinds, values, strict=True)]
+        params = [None if v is None else _ENCODE[kind](v) for kind, v in zip(_KINDS[name], values, strict=True)]
         failure: Exception
         try:
-            result = self._prepare(name, db) or db.pgconn.exec_prepared(_PREPARED[name], cast(Any, params))
-        except psycopg.OperationalError as error:  # it could not be sent: the connection is gone
-            failure = error
-        else:
-            if result.status == psycopg.pq.ExecStatus.TUPLES_OK:
-                return int(result.get_value(0, 0) or b"0") if result.ntuples else None
-            failure = psycopg.errors.error_from_result(result, encoding="utf-8")  # as the reference raises it
+            prepared = self._prepare(name, db)
+            if prepared is None:
+                db.pgconn.send_query_prepared(_PREPARED[name], cast(Any, params))
+                self._in_flight = flight
+                self._flush(db)
+                return flight
+            failure = psycopg.errors.error_from_result(prepared, encoding="utf-8")
             if db.pgconn.status == psycopg.pq.ConnStatus.OK and not isinstance(failure, psycopg.OperationalError):
                 raise failure
+        except psycopg.OperationalError as error:  # it could not be sent: the connection is gone
+            failure = error
+        self._in_flight = None
         lost = db.pgconn.status != psycopg.pq.ConnStatus.OK
         if lost:
             db.close()
             self._db = None
         raise self._unavailable(failure, lost) from None
+
+    @staticmethod
+    def _returned(result: psycopg.pq.abc.PGresult, db: psycopg.Connection[tuple[Any, ...]]) -> int | bool | None:
+        """The call number a write's result holds (None: no row); False when it failed because the session did;
+        an error of the statement itself is raised as the reference path raises it."""
+        import psycopg
+
+        if result.status == psycopg.pq.ExecStatus.TUPLES_OK:
+            return int(result.get_value(0, 0) or b"0") if result.ntuples else None
+        failure = psycopg.errors.error_from_result(result, encoding="utf-8")
+        if db.pgconn.status == psycopg.pq.ConnStatus.OK and not isinstance(failure, psycopg.OperationalError):
+            raise failure
+        return False
+
+    def _deadline_wait(self, db: psycopg.Connection[tuple[Any, ...]], deadline: float, write: bool) -> None:
+        import psycopg
+
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise psycopg.OperationalError(f"no answer from the server within {self._wait_seconds:.0f} s")
+        socket = db.pgconn.socket
+        select.select([] if write else [socket], [socket] if write else [], [], left)
+
+    def _flush(self, db: psycopg.Connection[tuple[Any, ...]]) -> None:
+        """Send what libpq still holds of a statement sent without waiting (the session is non-blocking)."""
+        deadline = time.monotonic() + self._wait_seconds
+        while db.pgconn.flush():  # bounded: the deadline raises
+            self._deadline_wait(db, deadline, write=True)
+
+    def _settle(self) -> None:
+        """Read the result of the write in flight on this session into its :class:`_Flight`. On a failure the
+        caches go (they may name rows that were not stored); an end()'s failure is logged (its caller has its
+        reply), a begin()'s raised by its wait."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        import psycopg
+
+        db = self._db
+        failure: BaseException | None = None
+        try:
+            if db is None:
+                raise psycopg.OperationalError("the session was closed")
+            number = self._returned(self._result(db), db)
+            if number is False:
+                failure = psycopg.OperationalError(db.pgconn.error_message.decode(errors="replace"))
+            elif number is None:
+                failure = UnknownCall(f"the transcript {self._safe} holds no call {flight.call}")
+            else:
+                flight.call = int(number)
+                if flight.node is not None:  # a begun call, committed: a new session re-owns it
+                    self._begun.setdefault(flight.call, flight.node)
+        except psycopg.Error as error:
+            failure = error
+        flight.done = True
+        if failure is None:
+            return
+        self._forget()
+        lost = db is None or db.pgconn.status != psycopg.pq.ConnStatus.OK
+        if lost and db is not None:
+            db.close()
+            self._db = None
+        if isinstance(failure, psycopg.OperationalError):
+            failure = self._unavailable(failure, lost)
+        flight.error = failure
+        if flight.behind:
+            log.warning(
+                "could not complete call %s in the transcript %s (it reads interrupted once this process ends): %s",
+                flight.call,
+                self._safe,
+                _clean(str(failure), self._secret),
+            )
+
+    def _result(self, db: psycopg.Connection[tuple[Any, ...]]) -> psycopg.pq.abc.PGresult:
+        """The result of the statement sent last, read to its end (waiting for the socket only while libpq needs
+        more: an answer already here is taken without giving up the GIL)."""
+        import psycopg
+
+        deadline = time.monotonic() + self._wait_seconds
+        results = []
+        for _ in range(4):  # one result, then the end of them
+            db.pgconn.consume_input()
+            while db.pgconn.is_busy():  # bounded: the deadline raises
+                self._deadline_wait(db, deadline, write=False)
+                db.pgconn.consume_input()
+            result = db.pgconn.get_result()
+            if result is None:
+                break
+            results.append(result)
+        if not results:
+            raise psycopg.OperationalError("the server sent no result")
+        return results[0]
+
+    def _answered(self) -> None:
+        """Wait, without holding the transcript's lock, until the write in flight now has its answer here (so that
+        the thread that reads it, under the lock, does not wait on the network while the other threads queue)."""
+        import psycopg
+
+        deadline = time.monotonic() + self._wait_seconds
+        flight = self._in_flight
+        for _ in range(100_000):  # bounded: each pass waits 2 ms at most; the deadline ends it sooner
+            with self._lock:
+                db = self._db
+                if flight is None or self._in_flight is not flight or db is None or db.closed:
+                    return  # answered, and read by another thread
+                try:
+                    db.pgconn.consume_input()
+                    if not db.pgconn.is_busy():
+                        return
+                    socket = db.pgconn.socket
+                except psycopg.OperationalError:
+                    return  # (the reader, under the lock, reports it)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                # Short: another thread may read the answer between our look and this wait, and the socket then
+                # stays quiet.
+                select.select([socket], [], [], min(left, 0.002))
+            except (OSError, ValueError):  # closed meanwhile by another thread
+                return
+
+    def _write(self, store: Any) -> int:
+        self._answered()
+        return super()._write(store)
+
+    def _landed(self, flight: _Flight) -> int:
+        """The call number ``flight`` (a begin()'s insert) wrote, once committed; its error if it failed."""
+        if self._in_flight is flight:
+            self._answered()
+        with self._lock:
+            if self._in_flight is flight:
+                self._settle()
+            if flight.error is not None:
+                raise flight.error
+            assert flight.done  # a later use of the session read it
+            return flight.call
 
     def _blob_texts(self, ids: set[int]) -> dict[int, str]:
         if not ids:
@@ -532,17 +697,30 @@ class PostgresTranscript(Transcript):
             out[node] = path[::-1]
         return out
 
-    def _insert(self, row: _Row) -> int:
+    def _insert_values(self, row: _Row) -> tuple[psycopg.Connection[tuple[Any, ...]], list[Any]]:
         db = self._connection()  # first: the owner is this session's
         owner = None if row.owner is None else self._owner  # begun by this process: owned by its session
-        call = self._write_row("insert", [*self._upserts(), row.conversation, row.time, *_content(row), owner], db)
+        return db, [*self._upserts(), row.conversation, row.time, *_content(row), owner]
+
+    def _insert(self, row: _Row) -> int:
+        db, values = self._insert_values(row)
+        call = self._write_row("insert", values, db)
         assert call is not None  # an insert returns its row
         return call
 
-    def _update(self, row: _Row) -> None:
+    def _insert_later(self, row: _Row) -> Callable[[], int]:
+        if not self.fast_writes:  # the reference waits
+            return super()._insert_later(row)
+        db, values = self._insert_values(row)
+        flight = self._send("insert", values, db, _Flight(name="insert", node=row.inputs))
+        return lambda: self._landed(flight)
+
+    def _update(self, row: _Row, *, wait: bool = True) -> None:
         values = [*self._upserts(), *_content(row), row.call]
         db = self._connection()
-        if self._write_row("update", values, db) is None:
+        if not wait and self.fast_writes:
+            self._send("update", values, db, _Flight(name="update", call=row.call, behind=True))
+        elif self._write_row("update", values, db) is None:
             raise UnknownCall(f"the transcript {self._safe} holds no call {row.call}")
 
     def _commit(self) -> None:
@@ -598,7 +776,7 @@ class PostgresTranscript(Transcript):
                 conversation=str(r[1]),
                 time=float(r[2]),
                 inputs=r[3].int,
-                sent=r[4].int,
+                sent=None if r[4] is None else r[4].int,
                 tools=None if r[5] is None else r[5].int,
                 received=None if r[6] is None else r[6].int,
                 dropped=str(r[7]),
@@ -619,10 +797,24 @@ class PostgresTranscript(Transcript):
 
     def close(self) -> None:
         with self._lock:
+            if self._pid == os.getpid():
+                self._settle()  # an end() still in flight is committed before the session closes
             self._closed = True
             if self._db is not None and self._pid == os.getpid():
                 self._db.close()
             self._db = None
+
+
+@dataclass(eq=False, kw_only=True)
+class _Flight:
+    """A write sent on the session whose result is read later (:meth:`PostgresTranscript._settle`)."""
+
+    name: str  # "insert" (a begin()) or "update" (an end())
+    call: int = 0  # an update's call; an insert's once its result is read
+    node: int | None = None  # a begin()'s inputs (its trie node)
+    behind: bool = False  # an end(wait=False): nobody waits for it, so a failure is logged
+    done: bool = False
+    error: BaseException | None = None
 
 
 def _password_of(url: str) -> str | None:

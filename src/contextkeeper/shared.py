@@ -4,7 +4,8 @@
 one :class:`SharedState`:
 
 - **server facts** (:class:`ServerFacts`): the limit a server reported in a refusal and the tokens it counts beyond
-  ours, read before every wrapped call, so no replica is refused for what another already learned;
+  ours, read for every wrapped call (by its admission's script, when the Redis ledger is on the same Redis), so no
+  replica is refused for what another already learned;
 - **detected dialects** (``server="auto"``): the first replica asks the server which it is; the others read the
   answer;
 - **summaries** keyed by the hash of their sources, per conversation, and a **per-conversation lease**: one process
@@ -166,10 +167,16 @@ class SharedState:
         stored = self._do(lambda: self.client.get(f"{_tag('server', name)}:facts"), None)
         return ServerFacts.from_json(stored) if stored else None
 
-    def learn_server(self, name: str, facts: ServerFacts) -> None:
-        """Share ``facts`` about ``name`` (written behind: the caller does not wait)."""
-        key, text, ttl = f"{_tag('server', name)}:facts", facts.to_json(), int(self.ttl * 1000)
-        self._behind(lambda: self.client.set(key, text, px=ttl))
+    def learn_server(self, name: str, facts: ServerFacts, copies: Sequence[str] = ()) -> None:
+        """Share ``facts`` about ``name`` (written behind: the caller does not wait), also at the keys ``copies``
+        (where a Redis ledger's admission reads them, under its pool's hash tag)."""
+        keys, text, ttl = (f"{_tag('server', name)}:facts", *copies), facts.to_json(), int(self.ttl * 1000)
+
+        def write() -> None:
+            for key in keys:  # (one SET each: on Redis Cluster the keys live in different slots)
+                self.client.set(key, text, px=ttl)
+
+        self._behind(write)
 
     # --------------------------------------------------------------------------------------- detections
     def detection(self, url: str) -> dict[str, Any] | None:

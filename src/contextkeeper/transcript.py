@@ -31,7 +31,7 @@ import sqlite3
 import sys
 import threading
 import time as _time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +43,7 @@ from .messages import MAX_DEPTH, Message, _problem
 __all__ = [
     "INTERRUPTED",
     "URL_STORES",
+    "Begun",
     "MemoryTranscript",
     "SQLiteTranscript",
     "Transcript",
@@ -369,7 +370,7 @@ class _Row:
     conversation: str
     time: float
     inputs: int  # trie node of the last input (0: empty list)
-    sent: int
+    sent: int | None  # None: the inputs without the dropped ones (a store that derives it, see _derives_sent)
     tools: int | None  # blob id
     received: int | None
     dropped: str  # JSON runs
@@ -452,6 +453,25 @@ def _path_size(lane: str, path: tuple[tuple[object, ...], list[int], int]) -> in
     return sys.getsizeof(lane) + held + sys.getsizeof(snapshots) + sys.getsizeof(nodes) + 32 * len(nodes)
 
 
+def _kept_as_is(entry: TranscriptEntry) -> bool:
+    """Whether the prompt is the inputs without the dropped ones, each kept as it was (same object, or equal with
+    its keys in the same order): then a store that derives it need not store it (a sliding window's prompt is a
+    new list on every call)."""
+    if entry.rewritten or len(entry.sent) != len(entry.inputs) - len(entry.dropped):
+        return False
+    dropped = set(entry.dropped)
+    kept = (m for i, m in enumerate(entry.inputs) if i not in dropped)
+    return all(a is b or _same(a, b) for a, b in zip(entry.sent, kept, strict=True))
+
+
+def _sent_path(row: _Row, paths: Mapping[int, list[int]]) -> list[int]:
+    """The blobs of the row's prompt: stored, or derived from its inputs and what was dropped."""
+    if row.sent is not None:
+        return paths[row.sent]
+    dropped = set(_unruns(json.loads(row.dropped)))
+    return [b for i, b in enumerate(paths[row.inputs]) if i not in dropped]
+
+
 class _Never:
     """Equal to nothing: the snapshot of a message that cannot be compared cheaply."""
 
@@ -462,6 +482,32 @@ class _Never:
 
 
 _NEVER = _Never()
+
+
+@dataclass(eq=False)
+class Begun:
+    """A call whose inputs :meth:`Transcript.begin` wrote: :meth:`wait` gives its entry once they are durable."""
+
+    transcript: Transcript = dataclasses.field(repr=False)
+    pending: TranscriptEntry  # call 0 until known
+    node: int = dataclasses.field(repr=False)  # the inputs' trie node
+    number: Callable[[], int] = dataclasses.field(repr=False)
+    entry: TranscriptEntry | None = None
+    error: BaseException | None = None  # why the inputs were not stored (raised again by every wait)
+
+    def wait(self) -> TranscriptEntry:
+        """The entry, with its call number, once the inputs are committed; the store's error if they were not."""
+        if self.entry is None:
+            if self.error is not None:
+                raise self.error
+            try:
+                call = self.number()
+            except BaseException as error:
+                self.error = error
+                raise
+            self.transcript._began(call, self.node)
+            self.entry = dataclasses.replace(self.pending, call=call)
+        return self.entry
 
 
 class Transcript:
@@ -487,6 +533,10 @@ class Transcript:
         # conversation -> snapshots of the inputs it last recorded, their trie nodes, and the snapshots' bytes
         self._paths: Memo[str, tuple[tuple[object, ...], list[int], int]] = Memo("transcript.paths", sizer=_path_size)
         self._begun: dict[int, int] = {}  # calls started and not ended here -> their inputs' node
+
+    #: Whether a prompt that is the inputs without the dropped ones is stored as such (``sent`` NULL) instead of as
+    #: its own trie path. SQLite files keep the path (files written by earlier releases are read the same way).
+    _derives_sent = True
 
     # -- primitives -------------------------------------------------------------------------------------
     def _store_blob(self, digest: str, text: str) -> int:
@@ -514,8 +564,9 @@ class Transcript:
     def _insert(self, row: _Row) -> int:
         raise NotImplementedError
 
-    def _update(self, row: _Row) -> None:
-        """Replace the stored row ``row.call`` (a begun call, now ended)."""
+    def _update(self, row: _Row, *, wait: bool = True) -> None:
+        """Replace the stored row ``row.call`` (a begun call, now ended). ``wait=False``: a store that writes over
+        the network may send it and return before it is committed (see :meth:`end`)."""
         raise NotImplementedError
 
     def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
@@ -527,6 +578,18 @@ class Transcript:
     def _rollback(self) -> bool:
         """Undo a half-written entry; True when ids handed out since the last commit are gone with it."""
         return False
+
+    def _settle(self) -> None:
+        """Complete a write left in flight (a :meth:`begin` not yet waited for, an ``end(..., wait=False)``) before
+        anything reads or writes. Here every write completes at once."""
+
+    def _forget(self) -> None:
+        """Drop the caches in front of the store: they may name rows a failed write did not store."""
+        self._blobs.clear()
+        self._nodes.clear()
+        self._seen.clear()
+        self._paths.clear()
+        self._created.clear()
 
     def _alive(self, owners: set[str]) -> dict[str, bool]:
         """Whether the owner that began each call still "begun" may still be running it (``"pending"``) or has
@@ -607,7 +670,7 @@ class Transcript:
             conversation=entry.conversation,
             time=entry.time,
             inputs=self._node(entry.inputs, lane=entry.conversation) if inputs is None else inputs,
-            sent=self._node(entry.sent),
+            sent=None if self._derives_sent and _kept_as_is(entry) else self._node(entry.sent),
             tools=self._blob(list(entry.tools)) if entry.tools is not None else None,
             received=self._blob(entry.received) if entry.received is not None else None,
             dropped=json.dumps(_runs(entry.dropped)),
@@ -621,16 +684,13 @@ class Transcript:
     def _write(self, store: Any) -> int:
         """Run ``store()`` (which writes rows and returns a call number) as one transaction, under the lock."""
         with self._lock:
+            self._settle()  # first: a write left in flight that failed leaves the caches naming rows not stored
             try:
                 call = int(store())
                 self._commit()
             except BaseException:
                 if self._rollback():  # the caches may hold ids the rollback took back
-                    self._blobs.clear()
-                    self._nodes.clear()
-                    self._seen.clear()
-                    self._paths.clear()
-                    self._created.clear()
+                    self._forget()
                 raise
         return call
 
@@ -653,6 +713,19 @@ class Transcript:
     ) -> TranscriptEntry:
         """Store (durably, before anything is sent) the inputs of a call about to be made; returns its entry
         (``status="pending"``) with the call number that :meth:`end` completes."""
+        return self.begin(inputs, conversation=conversation, tools=tools, time=time).wait()
+
+    def begin(
+        self,
+        inputs: Sequence[Any],
+        *,
+        conversation: str = "default",
+        tools: Sequence[Any] | None = None,
+        time: float | None = None,
+    ) -> Begun:
+        """:meth:`start` in two halves: the inputs are written now, and :meth:`Begun.wait` returns the entry once
+        they are durable (a store over the network returns here before its answer, so a wrapped call fits while
+        the write travels, and waits before its request leaves)."""
         entry = TranscriptEntry(
             conversation=conversation,
             time=_time.time() if time is None else time,
@@ -660,28 +733,43 @@ class Transcript:
             tools=tuple(_plain_value(t) or {} for t in tools) if tools else None,
             status="pending",
         )
-
-        nodes: list[int] = []
+        sent: list[tuple[int, Callable[[], int]]] = []
 
         def store() -> int:
             row = dataclasses.replace(self._row(entry), state="begun", owner=_owner())
-            nodes.append(row.inputs)
-            return self._insert(row)
+            sent.append((row.inputs, self._insert_later(row)))
+            return 0
 
-        call = self._write(store)
-        self._begun[call] = nodes[-1]  # committed: end() reuses the stored inputs
-        return dataclasses.replace(entry, call=call)
+        self._write(store)
+        node, number = sent[-1]
+        return Begun(self, entry, node, number)
 
-    def end(self, started: TranscriptEntry, fit: Any = None, **details: Any) -> TranscriptEntry:
+    def _insert_later(self, row: _Row) -> Callable[[], int]:
+        """Insert ``row``; a function that returns its call number once the row is durable. Here the insert is
+        complete when this returns; a store over the network may send it and wait in the function."""
+        call = self._insert(row)
+        return lambda: call
+
+    def _began(self, call: int, node: int) -> None:
+        """``call`` is durable, its inputs the trie node ``node``: :meth:`end` reuses them."""
+        with self._lock:
+            self._begun.setdefault(call, node)
+
+    def end(self, started: TranscriptEntry, fit: Any = None, *, wait: bool = True, **details: Any) -> TranscriptEntry:
         """Complete the call :meth:`start` began: ``fit`` and ``details`` as for :func:`make_entry` (the inputs,
-        conversation, tools and start time are the started entry's)."""
+        conversation, tools and start time are the started entry's).
+
+        ``wait=False`` (what wrapped calls do): a store over the network (Postgres) sends the completed entry and
+        returns without waiting for its commit; this transcript's next read or write, :meth:`flush` or
+        :meth:`close` waits for it first (so this process reads what it wrote), and a failure is logged then, not
+        raised. The inputs, written by :meth:`start`, are durable either way."""
         details.setdefault("tools", started.tools)
         entry = make_entry(started.inputs, fit, conversation=started.conversation, time=started.time, **details)
         entry = dataclasses.replace(entry, call=started.call)
 
         def store() -> int:
             inputs = self._begun.pop(started.call, None)
-            self._update(self._row(entry, inputs))
+            self._update(self._row(entry, inputs), wait=wait)
             return started.call
 
         self._write(store)
@@ -689,7 +777,7 @@ class Transcript:
 
     def _entries(self, rows: list[_Row]) -> list[TranscriptEntry]:
         wanted: set[int] = set()
-        paths = self._paths_of({node for row in rows for node in (row.inputs, row.sent)})
+        paths = self._paths_of({node for row in rows for node in (row.inputs, row.sent) if node is not None})
         for path in paths.values():
             wanted.update(path)
         for row in rows:
@@ -715,7 +803,7 @@ class Transcript:
                     conversation=row.conversation,
                     time=row.time,
                     inputs=tuple(value(b) for b in paths[row.inputs]),
-                    sent=tuple(value(b) for b in paths[row.sent]),
+                    sent=tuple(value(b) for b in _sent_path(row, paths)),
                     tools=tuple(value(row.tools)) if row.tools is not None else None,
                     received=value(row.received) if row.received is not None else None,
                     dropped=_unruns(json.loads(row.dropped)),
@@ -766,6 +854,11 @@ class Transcript:
     def __len__(self) -> int:
         with self._lock:
             return len(self._select(None))
+
+    def flush(self) -> None:
+        """Wait until every write made so far is committed (see :meth:`end`'s ``wait``)."""
+        with self._lock:
+            self._settle()
 
     def close(self) -> None:
         """Release the storage (a no-op in memory)."""
@@ -827,7 +920,7 @@ class MemoryTranscript(Transcript):
         self._rows.append(dataclasses.replace(row, call=call))
         return call
 
-    def _update(self, row: _Row) -> None:
+    def _update(self, row: _Row, *, wait: bool = True) -> None:
         if not 1 <= row.call <= len(self._rows):
             raise UnknownCall(f"the transcript holds no call {row.call}")
         self._rows[row.call - 1] = row
@@ -911,6 +1004,8 @@ class SQLiteTranscript(Transcript):
     One connection shared by threads under the transcript's lock; WAL mode so readers in other processes
     (an app inspecting the file) do not block writes.
     """
+
+    _derives_sent = False  # its column is NOT NULL, and earlier releases read these files too
 
     def __init__(self, path: str | Path) -> None:
         super().__init__()
@@ -1024,7 +1119,7 @@ class SQLiteTranscript(Transcript):
         )
         return int(cursor.lastrowid or 0)
 
-    def _update(self, row: _Row) -> None:
+    def _update(self, row: _Row, *, wait: bool = True) -> None:
         self._begin()
         cursor = self.db.execute(
             "UPDATE calls SET inputs = ?, sent = ?, tools = ?, received = ?, dropped = ?, rewritten = ?, "

@@ -43,6 +43,7 @@ from .._exceptions import (
     OutOfMemory,
     ProviderError,
     StreamInterrupted,
+    TranscriptUnavailable,
     TransportError,
 )
 from ..dialects import DIALECTS
@@ -54,8 +55,9 @@ from .servers import Drift, fewer_advice, kind_of_error
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper, Fit, Reserve
     from ..ledger import Ledger, Ticket
+    from ..redis_ledger import RedisLedger
     from ..shared import SharedState
-    from ..transcript import TranscriptEntry
+    from ..transcript import Begun, TranscriptEntry
 
 __all__ = ["CallReport", "DriftWarning", "ServerState", "cached_tokens_of", "call_async", "call_sync"]
 
@@ -87,6 +89,7 @@ class ServerState:
     kind: str | None = None  # the server software, when recognised: "vllm", "llama.cpp", "ollama", "openai"
     drifts: deque[int] = field(default_factory=lambda: deque(maxlen=8), repr=False)  # the latest measured
     shared: ServerFacts | None = field(default=None, repr=False)  # the facts as last read from or shared with replicas
+    pulled: bool = field(default=False, repr=False)  # read from the shared state once (later: with each admission)
 
     def facts(self) -> ServerFacts:
         """What replicas share of this state."""
@@ -146,6 +149,9 @@ class Calls:
     transcript: Any = None
     calls: int = 0
     shared: SharedState | None = None  # what replicas learn once (ContextKeeper(shared=...))
+    # A Redis ledger on the shared state's own Redis: each admission's script also reads the server's facts (a copy
+    # under the pool's hash tag), so a call needs no round trip of its own for them.
+    facts_ledger: RedisLedger | None = None
 
     def server(self, name: str, kind: str | None = None) -> ServerState:
         with self.lock:
@@ -154,14 +160,27 @@ class Calls:
             return state
 
     def pull(self, name: str) -> None:
-        """Take what other replicas learned about server ``name`` since this process last looked."""
+        """Take what other replicas learned about server ``name`` since this process last looked (with a facts
+        ledger, only the first time: later admissions bring them)."""
         if self.shared is None:
             return
-        facts = self.shared.server(name)
         with self.lock:
             state = self.servers.setdefault(name, ServerState())
-            if facts is not None and facts != state.shared:
-                state.adopt(facts)
+            if self.facts_ledger is not None and state.pulled:
+                return
+        facts = self.shared.server(name)
+        self.adopt(name, facts)
+        with self.lock:
+            state.pulled = True
+
+    def adopt(self, name: str, facts: ServerFacts | None) -> bool:
+        """Take ``facts`` (about server ``name``, as replicas share them) when they are new; True if they were."""
+        with self.lock:
+            state = self.servers.setdefault(name, ServerState())
+            if facts is None or facts == state.shared:
+                return False
+            state.adopt(facts)
+            return True
 
     def push(self, name: str) -> None:
         """Share what this process learned about server ``name``, when it changed."""
@@ -173,7 +192,8 @@ class Calls:
             if facts == state.shared:
                 return
             state.shared = facts
-        self.shared.learn_server(name, facts)
+        copies = (self.facts_ledger.facts_key(name),) if self.facts_ledger is not None else ()
+        self.shared.learn_server(name, facts, copies=copies)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,21 +266,32 @@ class Call:
         self.transport_failures: list[Failure] = []  # what the backoff reads: how many, and any Retry-After
         self.fit: Fit | None = None
         self.ticket: Ticket | None = None
-        self.entry: TranscriptEntry | None = None
+        self.begun: Begun | None = None  # the inputs as written ahead
+        self.entry: TranscriptEntry | None = None  # their entry, once durable
         self.admission = "unlimited"
         self.started = time.perf_counter()
         self.trace: tracing.CallTrace | None = None  # its spans, when a tracer provider is set
 
     # ---------------------------------------------------------------------------------------- steps
     def begin(self) -> None:
-        """Write ahead: the caller's messages reach the transcript before anything is sent. With shared state,
-        take what other replicas learned about the server first."""
-        self.calls.pull(self.backend.server)
+        """Write ahead: the caller's messages go to the transcript first (a store over the network answers while
+        the call fits; :meth:`prepare` waits for them to be durable before the request leaves). With shared
+        state, take what other replicas learned about the server, while that write travels."""
         transcript = self.calls.transcript
         if transcript is not None:
             inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
-            self.entry = transcript.start(inputs, conversation=self.options.conversation, tools=self.tools)
+            self.begun = transcript.begin(inputs, conversation=self.options.conversation, tools=self.tools)
+        try:
+            self.calls.pull(self.backend.server)
+        except BaseException as exc:
+            self.error(exc)  # (its inputs are written: the entry says why the call went no further)
+            raise
         self.trace = tracing.start(self)
+
+    def _durable(self) -> None:
+        """Wait until the inputs :meth:`begin` wrote are committed (a failure is the transcript's typed error)."""
+        if self.begun is not None and self.entry is None:
+            self.entry = self.begun.wait()
 
     def _fit(self, withheld: int, trusted: bool = False) -> Fit:
         with tracing.fitting(self.trace) as traced:
@@ -392,6 +423,15 @@ class Call:
             floor = fit.tokens - fit.report.history_after + self.answer  # never-trimmed parts plus the answer
             ticket = yield need, floor
             self.ticket = ticket
+            facts = ServerFacts.from_json(ticket.facts) if ticket.facts else None
+            if self.calls.adopt(self.backend.server, facts) and self._withheld() > withheld:
+                # Another replica learned the server meanwhile (read with the admission): fit under it, and hold
+                # only what that prompt needs.
+                withheld = self._withheld()
+                fit = self._fit(withheld)
+                need = fit.tokens + self.answer
+                if need < ticket.tokens:
+                    ticket.resize(need)
             if ticket.tokens < need:  # mode "shrink": fit again into what was granted
                 self.granted = ticket.tokens
                 fit = self._fit(max(withheld, self.keeper.limit - ticket.tokens), trusted=self.checking)
@@ -402,6 +442,7 @@ class Call:
             else:
                 self.admission = "admitted"
         self.fit = fit
+        self._durable()  # write-ahead: nothing leaves before the inputs are committed
         params = dict(self.params)
         params["messages"] = fit.messages
         request = Request(
@@ -422,9 +463,8 @@ class Call:
         steps = self.prepare()
         ask = _advance(steps, None)
         while not isinstance(ask, Request):
-            assert self.calls.ledger is not None
-            ticket = self.calls.ledger.acquire(ask[0], minimum=ask[1], label=self._label(), lease=self._lease())
-            ask = _advance(steps, ticket)
+            ledger, settings = self._admission(ask)
+            ask = _advance(steps, ledger.acquire(ask[0], **settings))
         return ask
 
     async def prepared_async(self) -> Request:
@@ -433,12 +473,19 @@ class Call:
         steps = self.prepare()
         ask = await asyncio.to_thread(_advance, steps, None)
         while not isinstance(ask, Request):
-            assert self.calls.ledger is not None
-            ticket = await self.calls.ledger.acquire_async(
-                ask[0], minimum=ask[1], label=self._label(), lease=self._lease()
-            )
+            ledger, settings = self._admission(ask)
+            ticket = await ledger.acquire_async(ask[0], **settings)
             ask = await asyncio.to_thread(_advance, steps, ticket)
         return ask
+
+    def _admission(self, ask: tuple[int, int]) -> tuple[Ledger, dict[str, Any]]:
+        """The ledger to ask for ``ask`` (tokens, minimum), and how: through a facts ledger, the server's shared
+        facts come back with the admission."""
+        settings: dict[str, Any] = {"minimum": ask[1], "label": self._label(), "lease": self._lease()}
+        if self.calls.facts_ledger is not None:
+            return self.calls.facts_ledger, {**settings, "facts": self.backend.server}
+        assert self.calls.ledger is not None
+        return self.calls.ledger, settings
 
     def _lease(self) -> float | None:
         """A stream's admission is a lease (it may be kept and never read); a plain call gives its tokens back
@@ -450,7 +497,7 @@ class Call:
 
     def _release(self) -> None:
         if self.ticket is not None:
-            self.ticket.release()
+            self.ticket.release(wait=False)  # a shared ledger gives the tokens back behind the call
             self.ticket = None
 
     def renew(self) -> None:
@@ -687,8 +734,14 @@ class Call:
             "attempts": self.attempts,
         }
         try:
+            if self.begun is not None:
+                if self.begun.error is not None and self.begun.error is exc:
+                    return  # the inputs never reached the transcript: that is the error the caller gets
+                self._durable()
             if self.entry is not None:
-                transcript.end(self.entry, self.fit, **details)
+                # Not waited for (a store over the network commits it behind; the inputs were durable before the
+                # request left): the caller gets its reply without a round trip.
+                transcript.end(self.entry, self.fit, wait=False, **details)
             else:
                 inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
                 transcript.add(inputs, self.fit, conversation=self.options.conversation, tools=self.tools, **details)
@@ -763,7 +816,9 @@ def _retrying(call: Call, cls: Any) -> Any:
 
     return cls(
         stop=tenacity.stop_after_attempt(call.options.attempts),
-        retry=tenacity.retry_if_exception_type((ContextLengthExceeded, OutOfMemory, TransportError)),
+        # A transcript that cannot store the inputs is not the provider's transport: no retry sends them again.
+        retry=tenacity.retry_if_exception_type((ContextLengthExceeded, OutOfMemory, TransportError))
+        & tenacity.retry_if_not_exception_type(TranscriptUnavailable),
         wait=lambda state: call.wait(state.outcome.exception() if state.outcome else None),
         reraise=True,
     )
