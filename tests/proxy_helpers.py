@@ -173,19 +173,19 @@ def serve_processes(configs: list[Path], upstream: str) -> Iterator[list[ServePr
 # ----------------------------------------------------------------------------------------------- load
 
 
-LOAD_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo")
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima")
 
 
 def load_turn(turn: int, words: int = 40) -> str:
-    return f"Turn {turn}: " + " ".join(LOAD_WORDS[(turn * 7 + i) % len(LOAD_WORDS)] for i in range(words)) + "?"
+    return f"Turn {turn}: " + " ".join(WORDS[(turn * 7 + i) % len(WORDS)] for i in range(words)) + "?"
 
 
-def load_history(turns: int, system: str) -> list[dict[str, Any]]:
+def load_history(turns: int, system: str = "You are a terse assistant.") -> list[dict[str, Any]]:
     """A chat of ``turns`` exchanges and a new question."""
     history: list[dict[str, Any]] = [{"role": "system", "content": system}]
     for turn in range(turns):
         history.append({"role": "user", "content": load_turn(turn)})
-        history.append({"role": "assistant", "content": f"Answer {turn}: " + " ".join(LOAD_WORDS[:20])})
+        history.append({"role": "assistant", "content": f"Answer {turn}: " + " ".join(WORDS[:20])})
     history.append({"role": "user", "content": load_turn(turns)})
     return history
 

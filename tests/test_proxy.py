@@ -35,24 +35,11 @@ from assets import require_assets, template, tokenizer_dir
 from conftest import hf_tokenizer
 from contextkeeper.cli import main
 from contextkeeper.proxy import Proxy, ProxyConfigError, ProxyServer, load_config
-from proxy_helpers import RecordingChatServer, route, running_proxy
+from proxy_helpers import WORDS, RecordingChatServer, load_history, load_turn, route, running_proxy
 
-WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima")
 CONTEXT = 1024
 ANSWER = 64
-
-
-def user_text(turn: int, words: int = 40) -> str:
-    return f"Turn {turn}: " + " ".join(WORDS[(turn * 7 + i) % len(WORDS)] for i in range(words)) + "?"
-
-
-def long_history(turns: int, system: str = "You are a terse assistant.") -> list[dict[str, Any]]:
-    history: list[dict[str, Any]] = [{"role": "system", "content": system}]
-    for turn in range(turns):
-        history.append({"role": "user", "content": user_text(turn)})
-        history.append({"role": "assistant", "content": f"Answer {turn}: " + " ".join(WORDS[:20])})
-    history.append({"role": "user", "content": user_text(turns)})
-    return history
+user_text, long_history = load_turn, load_history
 
 
 @pytest.fixture(scope="module")

@@ -126,15 +126,19 @@ def test_async_admission_shares_the_pool(redis_server: RedisServer, pool: str) -
     other.close()
 
 
-def test_a_stale_holder_cannot_release_what_the_pool_took_back(redis_server: RedisServer, pool: str) -> None:
+@pytest.mark.parametrize("wait", [True, False], ids=["released", "released-behind"])
+def test_a_stale_holder_cannot_release_what_the_pool_took_back(
+    redis_server: RedisServer, pool: str, wait: bool
+) -> None:
     frozen = RedisLedger(redis_server.url, 1000, pool=pool, lease=0.3)
     frozen._stop.set()  # a process that froze: no heartbeat
     stale = frozen.acquire(800)
     time.sleep(0.5)
     live = RedisLedger(redis_server.url, 1000, pool=pool)
     with live.admit(900) as ticket:  # the pool took the 800 back when their lease ran out
-        stale.release()  # fenced: gives nothing back twice
-        assert stale.expired
+        stale.release(wait=wait)
+        frozen.flush()  # (a release behind is sent now)
+        assert stale.expired  # fenced: nothing given back twice
         assert live.available() == 100
         assert ticket.tokens == 900
     live.close()
@@ -159,21 +163,6 @@ def test_a_release_behind_goes_with_the_next_admission_or_on_its_own(redis_serve
     assert ledger.available() == 1000  # this process's reads count its releases behind
     ledger.close()
     other.close()
-
-
-def test_a_stale_holder_cannot_release_behind_what_the_pool_took_back(redis_server: RedisServer, pool: str) -> None:
-    frozen = RedisLedger(redis_server.url, 1000, pool=pool, lease=0.3)
-    frozen._stop.set()  # a process that froze: no heartbeat
-    stale = frozen.acquire(800)
-    time.sleep(0.5)
-    live = RedisLedger(redis_server.url, 1000, pool=pool)
-    with live.admit(900):
-        stale.release(wait=False)
-        frozen.flush()
-        assert stale.expired  # fenced: nothing given back twice
-        assert live.available() == 100
-    live.close()
-    frozen.close()
 
 
 def test_the_admission_reads_the_server_facts_stored_under_the_pool(redis_server: RedisServer, pool: str) -> None:
