@@ -107,8 +107,14 @@ class HFMeter:
     def __init__(self, counter: HFChatTemplateCounter) -> None:
         self.counter = counter
         backend = getattr(counter.tokenizer, "backend_tokenizer", None)
-        self._tokenizer = _cutter(backend) if backend is not None else None
         pieces = getattr(counter, "_pieces", None)
+        # The piece counter's own cutter where it has one (its added-token splitter is made already: for a
+        # vocabulary with hundreds of added tokens that is milliseconds of a first fit), with a count of its own.
+        own = getattr(pieces, "_tokenizer", None)
+        if isinstance(own, Tokenizer):
+            self._tokenizer: Tokenizer | None = own.fork()
+        else:
+            self._tokenizer = _cutter(backend) if backend is not None else None
         proved = set(pieces.rules.on) if pieces is not None and pieces.rules.verified else set()
         tokenizer = self._tokenizer
         self.fast = (
