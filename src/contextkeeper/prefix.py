@@ -30,9 +30,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ._memo import IdentityMemo
 from .tokens import HFChatTemplateCounter, TokenCounter
-from .tokens.pieces._rules import Pieces, Segments, Tokenizer
+from .tokens.pieces._rules import Pieces, Segments
 from .tokens.pieces._split import common_prefix
 
 __all__ = ["HFMeter", "Meter", "PrefixOf", "meter_for", "register_meter", "shared_ids"]
@@ -73,19 +72,6 @@ def meter_for(counter: TokenCounter) -> Meter | None:
     return factory(counter) if factory is not None else None
 
 
-# The added-token cutter of each tokenizer backend, made once: forks of a counter (one per conversation) share it.
-# In the shared byte budget like every cache (a cutter dropped is made again); each entry holds its backend.
-_CUTTERS: IdentityMemo[Any, Tokenizer] = IdentityMemo("prefix.cutters", sizer=lambda backend, cutter: 16_384)
-
-
-def _cutter(backend: Any) -> Tokenizer:
-    made = _CUTTERS.get(backend)
-    if made is None:
-        made = Tokenizer(backend)
-        _CUTTERS.put(backend, made)
-    return made
-
-
 def shared_ids(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix of two id lists."""
     limit = min(len(a), len(b))
@@ -106,15 +92,11 @@ class HFMeter:
 
     def __init__(self, counter: HFChatTemplateCounter) -> None:
         self.counter = counter
-        backend = getattr(counter.tokenizer, "backend_tokenizer", None)
-        pieces = getattr(counter, "_pieces", None)
-        # The piece counter's own cutter where it has one (its added-token splitter is made already: for a
-        # vocabulary with hundreds of added tokens that is milliseconds of a first fit), with a count of its own.
-        own = getattr(pieces, "_tokenizer", None)
-        if isinstance(own, Tokenizer):
-            self._tokenizer: Tokenizer | None = own.fork()
-        else:
-            self._tokenizer = _cutter(backend) if backend is not None else None
+        pieces = counter._pieces
+        # The piece counter's own added-token cutter (made with the counter: for a vocabulary with hundreds of
+        # added tokens that is milliseconds), with a count of its own. A counter without a tokenizers backend has
+        # neither.
+        self._tokenizer = pieces._tokenizer.fork() if pieces is not None else None
         proved = set(pieces.rules.on) if pieces is not None and pieces.rules.verified else set()
         tokenizer = self._tokenizer
         self.fast = (
