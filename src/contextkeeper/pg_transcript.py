@@ -523,9 +523,7 @@ class PostgresTranscript(Transcript):
                 self._in_flight = flight
                 self._flush(db)
                 return flight
-            failure = psycopg.errors.error_from_result(prepared, encoding="utf-8")
-            if db.pgconn.status == psycopg.pq.ConnStatus.OK and not isinstance(failure, psycopg.OperationalError):
-                raise failure
+            failure = self._failure(prepared, db)
         except psycopg.OperationalError as error:  # it could not be sent: the connection is gone
             failure = error
         self._in_flight = None
@@ -543,10 +541,19 @@ class PostgresTranscript(Transcript):
 
         if result.status == psycopg.pq.ExecStatus.TUPLES_OK:
             return int(result.get_value(0, 0) or b"0") if result.ntuples else None
+        PostgresTranscript._failure(result, db)
+        return False
+
+    @staticmethod
+    def _failure(result: psycopg.pq.abc.PGresult, db: psycopg.Connection[tuple[Any, ...]]) -> Exception:
+        """The error a failed result holds: raised here when the statement itself failed (as the reference path
+        raises it), returned when the session did."""
+        import psycopg
+
         failure = psycopg.errors.error_from_result(result, encoding="utf-8")
         if db.pgconn.status == psycopg.pq.ConnStatus.OK and not isinstance(failure, psycopg.OperationalError):
             raise failure
-        return False
+        return failure
 
     def _deadline_wait(self, db: psycopg.Connection[tuple[Any, ...]], deadline: float, write: bool) -> None:
         import psycopg
