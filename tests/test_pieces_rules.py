@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Tokenizer, normalizers
 
 from assets import tokenizer_dir
 from conftest import assert_switched_off, hf_tokenizer
@@ -23,7 +23,7 @@ EXPECTED: dict[str, tuple[set[str], str | None]] = {
     "llama-bpe": ({"pieces", "segments", "blocks", "words", "unicode", "bound"}, "any"),
     "deepseek-v4": ({"pieces", "segments", "blocks", "deepseek", "bound"}, "any"),
     "deepseek-llm": ({"pieces", "segments", "bound"}, "any"),
-    "gemma-4": ({"pieces", "segments"}, None),
+    "gemma-4": ({"pieces", "segments", "bound"}, "any"),
     "llama-spm": ({"pieces", "segments"}, None),
     "phi-3": ({"pieces", "segments"}, None),
 }
@@ -155,3 +155,28 @@ def test_every_fast_path_equals_whole_text_encoding_on_every_script(vocab: str, 
     assert pieces.alone_many([*segments, text]) == [*map(pieces.full, segments), whole]
     bound = pieces.bound(text)
     assert bound is None or whole <= bound
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.characters(codec="utf-8"), max_size=40))
+def test_the_byte_bound_holds_for_byte_fallback_text(text: str) -> None:
+    # Gemma 4's vocabulary is BPE over characters with byte fallback, and its normaliser writes each space as
+    # "▁": a character missing from the vocabulary becomes its UTF-8 bytes, one token each, so any text (emoji,
+    # private-use, control and unassigned characters, lone spaces) stays within its byte count.
+    pieces, _ = _counter("gemma-4")
+    assert pieces.bound(text) is not None
+    assert pieces.full(text) <= pieces.bound(text)
+    assert pieces.full(text + " \U000f0000\x00 ") <= pieces.bound(text + " \U000f0000\x00 ")
+
+
+def test_a_normaliser_that_lengthens_the_text_turns_the_bound_off() -> None:
+    # The same vocabulary with spaces replaced by a character it lacks (three byte-fallback tokens each, for a
+    # one-byte space) is refused by the settings alone.
+    backend = _backend("gemma-4")
+    missing = next(chr(c) for c in range(0xF0000, 0xF0100) if backend.token_to_id(chr(c)) is None)
+    backend.normalizer = normalizers.Replace(" ", missing)
+    assert len(backend.encode("a b", add_special_tokens=False).ids) > len(b"a b")  # the bound would be false
+    pieces = PieceCounter(backend)
+    assert "bound" not in pieces.rules.on
+    why = pieces.rules.why_off("bound")
+    assert why == "not BPE whose pre-tokenizer only cuts and whose normaliser keeps the length"

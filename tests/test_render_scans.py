@@ -4,6 +4,7 @@ body: cut, and rendered exactly as the whole template renders, as chats grow, lo
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -16,6 +17,7 @@ from assets import template
 from conftest import hf_tokenizer
 from contextkeeper.tokens._sandbox import compile_template
 from contextkeeper.tokens.render import Refusal, split_template, try_split
+from contextkeeper.tokens.render.ahead import Check
 from contextkeeper.tokens.render.scans import FARTHEST
 
 # Both of Gemma 4's scans, small: a model turn right after another is continued, and a call is followed by the
@@ -162,3 +164,28 @@ def test_a_run_of_results_beyond_the_farthest_reach_is_rendered_whole(
         {"role": "assistant", "content": "Done."},
     ]
     assert fast.render(messages) == whole.render(messages)
+
+
+@functools.cache
+def _checks() -> list[Check]:
+    from test_render_ahead import HARMONY_LIKE
+
+    sources = (GEMMA_LIKE, template("google-gemma-4-31B-it"), HARMONY_LIKE, template("openai-gpt-oss-120b"))
+    return [part.test for source in sources for part in (*_split(source).scans, *_split(source).aheads)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    messages=chats(),
+    extra=st.lists(st.sampled_from([{}, {"role": None}, {"role": "tool"}, {"role": "assistant", "content": None}])),
+)
+def test_a_scan_tests_every_message_in_one_render_as_one_render_each(
+    messages: list[dict[str, Any]], extra: list[dict[str, Any]]
+) -> None:
+    # Check.many (one render over the messages) against Check.passes (one render per message, the reference),
+    # for every test the real templates' scans and look-aheads take out, on messages of any shape.
+    checks = _checks()
+    assert len(checks) == 6
+    every = [*messages, *extra]
+    for check in checks:
+        assert check.many(every) == [check.passes(message) for message in every]

@@ -183,22 +183,36 @@ def _bpe_parts(backend: Any) -> tuple[list[dict[str, Any]], dict[str, Any] | Non
 
 def _byte_bound(backend: Any) -> str | None:
     """When a text provably has at most as many tokens as UTF-8 bytes: ``"any"`` text, ``"ascii"`` text only,
-    or None (unknown). True for byte-level BPE: every symbol is one byte, a merge only joins symbols, and an
-    added token is one token for at least one character; a normaliser must then not lengthen the text (none
-    does not, nor does an empty Sequence; NFC leaves ASCII text as it is)."""
+    or None (unknown). True for BPE whose pre-tokenizer only cuts: its first symbols are the bytes (byte-level
+    BPE) or the characters (each one symbol, or with byte fallback at most its bytes, or one unknown), a merge
+    only joins symbols, and an added token is one token for at least one character. The normaliser must then not
+    lengthen the text: none does not, nor does an empty Sequence, nor a Replace of one character by one that is a
+    single symbol (Gemma's spaces by "▁"); NFC leaves ASCII text as it is."""
     parts = _bpe_parts(backend)
     if parts is None:
         return None
     steps, normalizer = parts
-    if not any(step.get("type") == "ByteLevel" for step in steps):
+    if any(step.get("type") not in _CUTTING or step.get("add_prefix_space") for step in steps if step):
         return None
-    if any(step.get("type") not in _CUTTING or step.get("add_prefix_space") for step in steps):
-        return None
-    if normalizer is None or normalizer == _NO_NORMALIZER:
+    if normalizer is None or normalizer == _NO_NORMALIZER or _one_for_one(normalizer, backend):
         return "any"
     if normalizer.get("type") == "NFC":
         return "ascii"
     return None
+
+
+def _one_for_one(normalizer: dict[str, Any], backend: Any) -> bool:
+    """Whether ``normalizer`` replaces one character by one character that is a token of its own (so each
+    replaced character still makes at most one symbol)."""
+    pattern, content = normalizer.get("pattern") or {}, normalizer.get("content")
+    if normalizer.get("type") != "Replace" or set(pattern) != {"String"} or not isinstance(content, str):
+        return False
+    if len(pattern["String"]) != 1 or len(content) != 1:
+        return False
+    try:
+        return backend.token_to_id(content) is not None
+    except Exception:
+        return False
 
 
 # Split patterns under which a line start (see _LINE_START) is always a pre-token border, whatever text follows:
@@ -981,7 +995,7 @@ class ByteBound(Rule):
     @classmethod
     def refusal(cls, tokenizer: Tokenizer) -> str | None:
         if _byte_bound(tokenizer.backend) is None:
-            return "not byte-level BPE whose pre-tokenizer only cuts and whose normaliser keeps the length"
+            return "not BPE whose pre-tokenizer only cuts and whose normaliser keeps the length"
         return None
 
     def __init__(self, tokenizer: Tokenizer) -> None:

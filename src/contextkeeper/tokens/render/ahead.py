@@ -26,7 +26,7 @@ class Ahead:
     """
 
     name: str  # the variable that replaces the scan in the body
-    test: Any  # a compiled template that writes "1" when the test passes for ``item``
+    test: Check  # the test on one later message
     memo: IdentityMemo[Any, bool] = field(compare=False)
 
     def evaluate(self, messages: Sequence[Any]) -> list[bool]:
@@ -40,24 +40,63 @@ class Ahead:
         return out
 
 
-def tested(check: Any, memo: IdentityMemo[Any, bool], messages: Sequence[Any]) -> list[bool]:
-    """Whether each message passes ``check`` (a template from :func:`check_of`), remembered by identity."""
+def tested(check: Check, memo: IdentityMemo[Any, bool], messages: Sequence[Any]) -> list[bool]:
+    """Whether each message passes ``check``, remembered by identity; those not remembered are tested in one
+    render."""
     passes = memo.get_many(messages)
-    new = []
+    unknown = [message for message, known in zip(messages, passes, strict=True) if known is None]
+    if not unknown:
+        return [bool(known) for known in passes]
+    found = iter(check.many(unknown))
     out: list[bool] = []
+    new: list[tuple[Any, bool]] = []
     for message, known in zip(messages, passes, strict=True):
         if known is None:
-            known = check.render(item=message) == "1"
+            known = next(found)
             new.append((message, known))
         out.append(known)
-    if new:
-        memo.put_many(new)
+    memo.put_many(new)
     return out
 
 
-def check_of(test: nodes.Expr, env: Any) -> Any:
-    """A compiled template that writes "1" when ``test`` (which reads the message as ``item``) passes."""
-    return env.from_string(nodes.Template([nodes.If(test, [nodes.Output([nodes.Const("1")])], [], [])], lineno=1))
+@dataclass(frozen=True)
+class Check:
+    """A test on one message (``item``), compiled twice in the same environment (the same sandbox, filters and
+    rules): ``one`` writes "1" when a message passes, ``each`` writes "1" or "0" for every message of ``items``.
+    ``each`` saves a whole render (a fresh context, the bounds) per message; ``one`` is its reference."""
+
+    one: Any
+    each: Any
+
+    def passes(self, message: Any) -> bool:
+        """Whether ``message`` passes, rendered on its own (the reference)."""
+        return bool(self.one.render(item=message) == "1")
+
+    def many(self, messages: Sequence[Any]) -> list[bool]:
+        """Whether each of ``messages`` passes, in one render."""
+        written = self.each.render(items=list(messages))
+        assert len(written) == len(messages)  # each iteration writes one character
+        return [flag == "1" for flag in written]
+
+
+def check_of(test: nodes.Expr, env: Any) -> Check:
+    """``test`` (which reads the message as ``item``) compiled as a :class:`Check`."""
+
+    def verdict(otherwise: list[nodes.Node]) -> nodes.If:
+        return nodes.If(copy.deepcopy(test, {id(env): env}), [nodes.Output([nodes.Const("1")])], [], otherwise)
+
+    loop = nodes.For(
+        nodes.Name("item", "store"),
+        nodes.Name("items", "load"),
+        [verdict([nodes.Output([nodes.Const("0")])])],
+        [],
+        None,
+        False,
+        lineno=1,
+    )
+    return Check(
+        env.from_string(nodes.Template([verdict([])], lineno=1)), env.from_string(nodes.Template([loop], lineno=1))
+    )
 
 
 def result_size(key: Any, value: Any) -> int:

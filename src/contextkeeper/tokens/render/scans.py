@@ -11,7 +11,7 @@ from typing import Any
 from jinja2 import nodes
 
 from ..._memo import IdentityMemo
-from .ahead import check_of, lift_loops, result_size, tested
+from .ahead import Check, check_of, lift_loops, result_size, tested
 from .settle import pure_test
 from .syntax import is_name, neighbour_offset, walk
 
@@ -39,7 +39,7 @@ class Scan:
 
     name: str  # the variable the body's loop runs over instead
     step: int  # -1: back from the message before the current one; 1: on from the one after it
-    test: Any  # a compiled template that writes "1" when the test passes for ``item``
+    test: Check  # the test on one message
     memo: IdentityMemo[Any, bool] = field(compare=False)
 
     def bounds(self, messages: Sequence[Any]) -> list[tuple[int, int]] | None:
