@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -411,6 +412,9 @@ def measure(
     try:
         for _ in range(repeats):
             method.reset()
+            # Garbage left by what ran before (the truth's counts, other methods) is collected first, for every
+            # method alike: a collection the call's own allocations set off still lands in its time.
+            gc.collect()
             cold = method.run(first)
             colds.append(cold.seconds)
             series = []
@@ -626,7 +630,7 @@ the per-turn calls too ("a/b": how many checked calls fit). **History use** is t
 suffix of whole turns (from a user message, system prompt kept) that fits, found by exact search. **Own count**
 is what the method itself counted for its output; **edited msgs** counts returned messages that are not one of
 the input's (cut or rewritten); **well-formed**: every tool result follows its call and the history starts on a
-user turn.
+user turn. Every method's cold call follows a full garbage collection, so none pays for what ran before it.
 
 * contextkeeper: `ContextKeeper(tokenizer=..., chat_template=..., context_window={w}, policy="default")` and
   `fit(messages, tools=TOOLS, max_tokens={a})`: cold is a fresh keeper's first fit, per turn the same keeper

@@ -378,6 +378,8 @@ class ManyRow:
     wall_s: float = 0.0
     gc_s: float = 0.0
     fits_per_s: float = 0.0
+    wall_per_fit_ms: float = 0.0  # the run's wall time over its fits: what a fit costs the machine
+    mean_latency_ms: float = 0.0
     overflows: int = 0  # fits whose own count plus the answer exceeds the window
     recounted: int = 0
     recount_overflows: int = 0  # recounted fits over the window by the truth
@@ -428,6 +430,8 @@ class _Fits:
         row.turn_p95_ms = round(_p(later_ms, 0.95), 2)
         row.wall_s, row.gc_s = round(wall, 2), round(gc_s, 2)
         row.fits_per_s = round(row.fits / wall, 1)
+        row.wall_per_fit_ms = round(wall * 1000 / row.fits, 2)
+        row.mean_latency_ms = round(statistics.fmean([*self.first, *self.later]) * 1000, 2)
         row.overflows = self.overflows
         for messages, own in self.sample:
             true = truth.count(messages)
@@ -483,7 +487,11 @@ def many_conversations(vocab: Vocabulary, chats: Chats, args: argparse.Namespace
         raise errors[0]
     setup = f"one keeper, {args.threads} threads, `conversation=` each"
     row = fits.row(setup, args.many, args.threads, wall, COLLECTIONS.total - collected, truth)
-    row.notes.append(f"each thread fits every {args.threads}th chat in turn; latency includes waiting for the GIL")
+    row.notes.append(
+        f"each thread fits every {args.threads}th chat in turn, one fit after another: {args.threads} fits are always "
+        f"in flight, so the mean latency is {args.threads} × the wall per fit (Little's law), "
+        f"{args.threads * row.wall_per_fit_ms:.1f} ms here"
+    )
     return row
 
 
@@ -551,15 +559,17 @@ def goals_table(results: list[CaseResult]) -> list[str]:
 
 def many_table(rows: list[ManyRow]) -> list[str]:
     lines = [
-        "| setup | conversations | fits | first fit p50 | turn p50 | turn p95 | wall | of it in GC | fits/s "
-        "| overflows (own count) | recounted: over / exact | notes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| setup | conversations | fits | first fit p50 | turn p50 | turn p95 | mean latency | wall per fit | wall "
+        "| of it in GC | fits/s | overflows (own count) | recounted: over / exact | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         over = _goal(r.overflows == 0 and r.recount_overflows == 0, str(r.overflows))
+        turn = _goal(r.turn_p50_ms <= GOAL_TURN_MS, f"{r.turn_p50_ms:.1f} ms")
         lines.append(
-            f"| {r.setup} | {r.conversations} | {r.fits} | {r.first_fit_p50_ms:.0f} ms | {r.turn_p50_ms:.1f} ms "
-            f"| {r.turn_p95_ms:.1f} ms | {r.wall_s:.2f} s | {r.gc_s:.2f} s | {r.fits_per_s:.0f} | {over} "
+            f"| {r.setup} | {r.conversations} | {r.fits} | {r.first_fit_p50_ms:.0f} ms | {turn} "
+            f"| {r.turn_p95_ms:.1f} ms | {r.mean_latency_ms:.1f} ms | {r.wall_per_fit_ms:.2f} ms | {r.wall_s:.2f} s "
+            f"| {r.gc_s:.2f} s | {r.fits_per_s:.0f} | {over} "
             f"| {r.recount_overflows} / {r.recount_exact} of {r.recounted} | {'; '.join(r.notes)} |"
         )
     return lines
@@ -590,8 +600,9 @@ content format picks for the template; for Tekken it is mistral-common's `encode
 request, which vLLM uses for Mistral models. **Fits** is how many of the checked calls (the cold one and each
 per-turn one) fit; **overflows** are the others. **History use** is true tokens over the longest whole-turn
 suffix that fits (above 100% where the strategies shorten old tool results instead of dropping their turns).
-Cold is a fresh keeper's first fit; turn p50 is the median of the same keeper's next {t} fits (the median over
-{r} run(s), each with a fresh keeper). Each peer gets {p} more call(s) after its cold one, LiteLLM {lt}: LangChain's
+Cold is a fresh keeper's first fit, after a full garbage collection (for every method alike, so none pays for
+what ran before it); turn p50 is the median of the same keeper's next {t} fits (the median over {r} run(s),
+each with a fresh keeper). Each peer gets {p} more call(s) after its cold one, LiteLLM {lt}: LangChain's
 `trim_messages` with the template counter and with the per-message counter, LlamaIndex's `ChatMemoryBuffer` on
 the last messages that hold at most {li:,} content tokens (it recounts its window for every message it drops),
 and LiteLLM's `trim_messages` (model `{m}`) on {lm}. **≥ 45× LangChain exact** is LangChain's cold time with the
@@ -604,6 +615,17 @@ and (b) one plain render of the kept window (`apply_chat_template(..., tokenize=
 and warm; for Tekken: mistral-common's `encode_chat_completion`, which renders and encodes in one pass and so is
 the floor alone). Both are the median of {fr} calls after a warm-up. **cold / floor** is contextkeeper's cold fit
 over (a) + (b)."""
+
+
+LITTLE = """\
+With {n} threads that each start their next fit as soon as one returns, {n} fits are always in flight, and the
+mean latency is {n} × the wall time per fit whatever the code does (Little's law: in flight = throughput ×
+latency). A {goal:g} ms p50 there needs a fit to cost the machine at most about {most:.2f} ms of wall time, on
+{cores} CPU(s): no Python fit of a 600-message chat is that cheap, and the interpreter runs one thread's Python
+at a time. The threaded row is held to the same goal as the others and is not met; what threads can change is
+the wall per fit, which stays close to the interleaved row's (the tokenizer releases the interpreter while it
+encodes, and fits of different conversations hold no common lock for longer than a look-up in the keeper's
+registry of conversations or in the shared cache budget)."""
 
 
 def main() -> int:
@@ -748,9 +770,13 @@ def main() -> int:
             "the first, Qwen3's template, one keeper with a `conversation=` id per chat; fresh keepers for the "
             "interleaved run (one fit of each chat in turn) and the threaded one. Turn p50/p95 are over the fits "
             f"after each chat's first; overflows are counted on every fit's own count, and {args.recounts} fits "
-            "of each row are recounted as the server counts them (over the window / exactly the fit's count).",
+            "of each row are recounted as the server counts them (over the window / exactly the fit's count). "
+            "**Wall per fit** is the run's wall time over its fits (what a fit costs the machine, waits included); "
+            "**mean latency** is the mean time from a fit's call to its return.",
             "",
             *many_table(many),
+            "",
+            LITTLE.format(n=args.threads, cores=os.cpu_count(), goal=GOAL_TURN_MS, most=GOAL_TURN_MS / args.threads),
             "",
         ]
     lines.append("<!-- languages:end -->")

@@ -226,7 +226,7 @@ def test_hysteresis_cuts_to_the_low_water_mark_then_only_appends() -> None:
 def test_without_hysteresis_the_window_keeps_its_slack() -> None:
     window = SlidingWindow()
     assert not window.hysteretic
-    assert window.low == pytest.approx(0.95)
+    assert window.low == pytest.approx(0.98)
     assert SlidingWindow(hysteresis=0.3).low == pytest.approx(0.7)
     assert SlidingWindow(low_water=0.5, high_water=0.9).low == 0.5
     assert SlidingWindow(high_water=0.99, hysteresis=0.49).low == pytest.approx(0.5)

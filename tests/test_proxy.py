@@ -263,15 +263,19 @@ def test_context_refusal_is_recovered(tokenizer: Any, keeper: ck.ContextKeeper) 
             model="m", messages=long_history(30), max_tokens=ANSWER, extra_headers={"X-Conversation-Id": "refused"}
         )
         assert raw.http_response.status_code == 200
-        first, second = upstream.requests
-        assert first.status == 400
-        assert "context length is only 1024 tokens" in (first.error or "")
-        assert second.accepted
-        assert second.prompt_tokens is not None
-        assert second.prompt_tokens + ANSWER <= CONTEXT
-        assert int(raw.headers["x-contextkeeper-prompt-tokens"]) == second.prompt_tokens - hidden
+        # vLLM's refusal caps the count it reports at the largest input plus one, so the keeper learns a lower
+        # bound on what the server adds: each refusal teaches more, until a fit is accepted.
+        *refused, accepted = upstream.requests
+        assert refused
+        for request in refused:
+            assert request.status == 400
+            assert "context length is only 1024 tokens" in (request.error or "")
+        assert accepted.accepted
+        assert accepted.prompt_tokens is not None
+        assert accepted.prompt_tokens + ANSWER <= CONTEXT
+        assert int(raw.headers["x-contextkeeper-prompt-tokens"]) == accepted.prompt_tokens - hidden
         seen = httpx2.get(f"{proxy.url}/contextkeeper/conversations/refused", timeout=10).json()
-        assert seen["call"]["attempts"] == 2
+        assert seen["call"]["attempts"] == len(upstream.requests)
         assert any("refused for length" in r for r in seen["call"]["recoveries"])
 
 

@@ -58,10 +58,11 @@ def test_after_a_cut_the_window_leaves_the_slack_free_even_when_the_history_fits
     def count(kept: Any) -> int:
         return counter.count(assemble((system, *kept, request)), tools=TOOLS)
 
-    limit = int(count(history) / 0.97)  # the history fits, above the 95% mark
+    mark = 1 - SlidingWindow().slack
+    limit = int(count(history) / (1 + mark) * 2)  # the history fits, above the mark
     state = FitState(system=system, history=tuple(history), request=request, limit=limit, count=count)
     assert SlidingWindow().apply(state) is state
     cut = SlidingWindow(after_cut=True).apply(state)
     assert [a.strategy for a in cut.actions] == ["sliding_window"]
-    assert cut.tokens() <= 0.95 * limit
+    assert cut.tokens() <= mark * limit
     assert cut.history == state.history[len(state.history) - len(cut.history) :]

@@ -13,7 +13,6 @@ caller as their own objects.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import itertools
 import sys
@@ -60,10 +59,12 @@ class Item:
     message: Message
     origin: int | None = None
     source: Message | None = None  # for a rewrite: the message it was made from (see FitState.reuse)
+    # Asked for on every pass over the history: read once. Set here rather than cached on first read, which would
+    # give each of the hundreds of thousands of items a keeper holds a dict of its own for the collector to scan.
+    role: str = field(init=False, repr=False, compare=False)
 
-    @functools.cached_property
-    def role(self) -> str:  # asked for on every pass over the history: kept once read
-        return str(self.message.role)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", str(self.message.role))
 
     def text(self) -> str:
         """The message's text (content parts joined), for strategies that read it."""

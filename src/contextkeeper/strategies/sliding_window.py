@@ -33,7 +33,11 @@ class SlidingWindow(StrategySettings):
     prefilled one's (0.1: hosted prompt caching; a few hundredths: prefill time on your own server).
     """
 
-    slack: float = Field(default=0.05, ge=0, lt=1)  # when units must go, leave this share of the budget free
+    # When units must go, leave this share of the budget free. With ``tolerance`` it bounds what a cut keeps from
+    # below: at least 1 - slack - tolerance of the budget, less only by a turn that does not fit whole (97% by
+    # default, so a cut keeps 95% of the longest whole-turn suffix while turns are under 2% of the budget).
+    # More slack keeps the prefix longer between cuts; a cache-aware window (``hysteresis``) does that better.
+    slack: float = Field(default=0.02, ge=0, lt=1)
     # A suffix this share of the budget below the mark is as good as the longest.
     tolerance: float = Field(default=0.01, ge=0, lt=1)
     low_water: float | None = Field(default=None, gt=0, lt=1)
