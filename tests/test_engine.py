@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ from conftest import hf_tokenizer
 from contextkeeper import engine
 from contextkeeper.budget import Budget
 from contextkeeper.session import Session
-from contextkeeper.strategies import Item
+from contextkeeper.strategies import Item, base
 from contextkeeper.strategies.base import Action
 from conversations import call
 
@@ -207,3 +209,69 @@ def test_a_foresight_written_without_the_rate_is_called_without_it() -> None:
 
     assert engine._kept_chars(Older())("tool", 100.0, 3, 2.5) == 50.0  # type: ignore[arg-type]
     assert engine._kept_chars(Newer())("tool", 100.0, 3, 2.5) == 2.5  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ over the budget without tokenizing
+def _cjk_agent_chat(turns: int = 60) -> list[dict[str, Any]]:
+    """A Chinese agent chat whose old tool results (long JSON rows) are what a first read finds most of."""
+    words = _SCRIPTS["chinese"]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "请简短回答。"}]
+    for t in range(turns):
+        text = "".join(words[(t * 5 + i) % len(words)] for i in range(30))
+        rows = [
+            {"编号": t * 100 + i, "说明": "".join(words[(t + i + j) % len(words)] for j in range(12))}
+            for i in range(25)
+        ]
+        messages += [
+            {"role": "user", "content": f"{t}. {text}"},
+            {"role": "assistant", "content": "", "tool_calls": [call(f"c{t}", "query", q=text[:20])]},
+            {"role": "tool", "tool_call_id": f"c{t}", "content": json.dumps(rows, ensure_ascii=False)},
+            {"role": "assistant", "content": text[::-1]},
+        ]
+    return [*messages, {"role": "user", "content": "下一步呢？"}]
+
+
+def test_a_read_far_over_the_budget_at_the_chats_own_rate_is_not_tokenized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first read holds old tool results about to be cleared. CJK text runs at under 8 characters per token, so
+    only the rate measured on the chat's newest texts shows the read is over the budget before it is counted:
+    the results are cleared without counting the read first (the report's saving is then unknown), and the fit
+    keeps exactly what counting first would have kept."""
+
+    def fitted() -> ck.Fit:
+        keeper = ck.ContextKeeper(tokenizer=hf_tokenizer("qwen2"), chat_template=template(QWEN), context_window=8192)
+        return keeper.fit(_cjk_agent_chat(), max_tokens=256)
+
+    fit = fitted()
+    assert fit.tokens == ck.HFChatTemplateCounter(hf_tokenizer("qwen2"), chat_template=template(QWEN)).count(
+        fit.messages
+    )
+    pruned = fit.report.actions[0]
+    assert pruned.strategy == "prune_tool_results"
+    assert pruned.saved is None  # the read was never counted before its results were cleared
+    monkeypatch.setattr(base, "MEASURED_MARGIN", float("inf"))  # the measured rate switched off
+    counted = fitted()
+    assert counted.report.actions[0].saved is not None  # counted first
+    assert counted.report.actions[0].saved > 8192
+    assert fit.messages == counted.messages
+    assert fit.tokens == counted.tokens
+
+
+def test_the_measured_rate_decides_only_far_over_the_budget() -> None:
+    system, *history, request = (
+        (Item(ck.Message(role="user", content=text)),) for text in ("s", "你好" * 1000, "再见" * 1000, "?")
+    )
+    asked: list[int] = []
+
+    def count(units: Any) -> int:
+        asked.append(len(units))
+        return 4000
+
+    state = base.FitState(system=system, history=tuple(history), request=request, limit=1000, count=count)
+    trigger = base.OverBudget()
+    assert trigger(state)
+    assert asked == [2]  # 4,002 characters: under 8 a token, so counted
+    asked.clear()
+    assert trigger(replace(state, sparsest=1.5))
+    assert asked == []  # over 2 × 1.5 characters a token: over without counting
+    assert trigger(replace(state, sparsest=2.5))
+    assert asked == [2]  # under 2 × 2.5: counted

@@ -161,6 +161,7 @@ def calibrated(session: Session, ask: Ask, per_token: float) -> float:
     measured = {kind: rate for kind, rate in rates.items() if rate is not None}
     own = measured.get("text", per_token / _MARGIN)
     session.rates = Rates(**{kind: own / rate for kind, rate in measured.items() if kind != "text"})
+    session.sparsest = max(measured.values(), default=None)
     return own * _MARGIN
 
 
@@ -398,6 +399,7 @@ def read(setup: Setup, session: Session, ask: Ask, per_token: float) -> Draft:
         text_tokens=session.text_tokens,
         text_tokens_many=session.text_tokens_many,
         text_bound=session.text_bound,
+        sparsest=session.sparsest,
         query="\n".join(item.text() for item in request if item.role == "user"),
         turn=session.turn,
         actions=compacted,

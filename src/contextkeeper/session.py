@@ -118,6 +118,9 @@ class Session:
     turn: int = 0  # fits made, failed ones included
     horizon: float | None = None  # characters per token the last read needed (None: the policy's)
     rates: Rates = field(default_factory=Rates)  # tool results and calls in the chat's own characters
+    # The most characters per token measured on the chat's newest texts (prose, tool results, tool calls), or None:
+    # what a trigger may take as certain that a prompt far over the budget is over it, without tokenizing it.
+    sparsest: float | None = None
     sticky: Sticky | None = None  # the previous fit, re-applied first when the chat only grew
     previous: Conversation | None = None  # the messages the previous fit validated, reused where unchanged
     paired: tuple[tuple[Message, ...], tuple[Any, ...], list[int]] | None = None  # the last pairing check

@@ -143,6 +143,8 @@ class FitState:
     text_tokens_many: Callable[[Sequence[str]], list[int]] | None = field(default=None, repr=False, compare=False)
     # An upper bound on ``text_tokens`` found without tokenizing (None: not known for this text or tokenizer).
     text_bound: Callable[[str], int | None] | None = field(default=None, repr=False, compare=False)
+    # The most characters per token measured on this chat's newest texts (None: not measured); see OverBudget.
+    sparsest: float | None = field(default=None, repr=False, compare=False)
     peek: Callable[[Sequence[Items]], int | None] | None = field(default=None, repr=False, compare=False)
     query: str = ""
     turn: int = 0
@@ -334,13 +336,23 @@ class OverBudget(Trigger):
 
     def __call__(self, state: FitState) -> bool:
         # A prompt with more than CHARS_PER_TOKEN characters for every token of the budget is over it whatever
-        # the tokenizer (tokens average 3 to 5 characters): no need to tokenize text that is about to go.
-        if state.chars() > CHARS_PER_TOKEN * self.fraction * state.limit:
+        # the tokenizer (tokens average 3 to 5 characters), and so is one with more than MEASURED_MARGIN times
+        # the most characters per token measured on this chat's newest texts (CJK text runs at one or two): no
+        # need to tokenize text that is about to go (a first read holds old tool results about to be cleared).
+        most = self.fraction * state.limit
+        chars = state.chars()
+        if chars > CHARS_PER_TOKEN * most:
             return True
-        return state.tokens() > self.fraction * state.limit
+        if state.sparsest is not None and chars > MEASURED_MARGIN * state.sparsest * most:
+            return True
+        return state.tokens() > most
 
 
 CHARS_PER_TOKEN = 8
+# Older messages may run at more characters per token than the newest (another language, indented code): a
+# prompt is taken as over only at twice the estimate, and an estimate off by as much only clears old tool
+# results a little early; the fit's count stays exact either way.
+MEASURED_MARGIN = 2.0
 
 
 @dataclass(frozen=True)
