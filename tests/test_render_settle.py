@@ -441,3 +441,36 @@ def test_a_split_template_with_a_settled_head_renders_the_same() -> None:
         context = {"messages": messages, "tools": tools, "add_generation_prompt": True}
         with bounded():
             assert renderer.render(context) == reference.render(context)
+
+
+_NAMES = st.sampled_from(["found", "last_index", "s", "_private", "__class__", "items"])
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=3), st.lists(st.integers(), max_size=2)
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(fields=st.dictionaries(_NAMES, _VALUES, max_size=3), positional=st.booleans(), in_loop=st.booleans())
+def test_a_namespace_made_directly_is_the_one_the_sandbox_makes(
+    fields: dict[str, object], positional: bool, in_loop: bool
+) -> None:
+    # ``namespace(...)`` skips the sandbox's probing of the call (``direct_namespaces``); the reference takes the
+    # sandbox's own way. Both must render the same, or refuse the same names (transformers' namespace refuses
+    # names that start with an underscore).
+    given = f"{fields!r}" if positional else ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    body = (
+        f"{{% set ns = namespace({given}) %}}{{{{ ns.found }}}}|{{{{ ns.items }}}}|{{% set ns.s = 'x' %}}{{{{ ns.s }}}}"
+    )
+    source = f"{{% for m in messages %}}{body}{{% endfor %}}" if in_loop else body
+
+    def render(direct: bool) -> str:
+        template = compile_template(source)  # remembered per source: the setting is put back after
+        template.environment.direct_namespaces = direct
+        try:
+            return template.render(messages=[1, 2])
+        except Exception as exc:  # refused the same way, or not at all
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            template.environment.direct_namespaces = True
+
+    assert render(True) == render(False)
