@@ -450,27 +450,33 @@ _VALUES = st.one_of(
 
 
 @settings(max_examples=80, deadline=None)
-@given(fields=st.dictionaries(_NAMES, _VALUES, max_size=3), positional=st.booleans(), in_loop=st.booleans())
-def test_a_namespace_made_directly_is_the_one_the_sandbox_makes(
-    fields: dict[str, object], positional: bool, in_loop: bool
+@given(
+    fields=st.dictionaries(_NAMES, _VALUES, max_size=3),
+    positional=st.booleans(),
+    in_loop=st.booleans(),
+    stop=st.sampled_from(["3", "-2", "'x'", "2.5", "10 ** 9"]),
+)
+def test_namespace_and_range_called_directly_are_what_the_sandbox_calls(
+    fields: dict[str, object], positional: bool, in_loop: bool, stop: str
 ) -> None:
-    # ``namespace(...)`` skips the sandbox's probing of the call (``direct_namespaces``); the reference takes the
-    # sandbox's own way. Both must render the same, or refuse the same names (transformers' namespace refuses
-    # names that start with an underscore).
+    # ``namespace(...)`` and ``range(...)`` skip the sandbox's probing of the call (``call_directly``); the
+    # reference takes the sandbox's own way. Both must render the same, or fail the same way (transformers'
+    # namespace refuses names that start with an underscore; range refuses a string and a range too long).
     given = f"{fields!r}" if positional else ", ".join(f"{k}={v!r}" for k, v in fields.items())
     body = (
         f"{{% set ns = namespace({given}) %}}{{{{ ns.found }}}}|{{{{ ns.items }}}}|{{% set ns.s = 'x' %}}{{{{ ns.s }}}}"
+        f"{{% for i in range({stop}, -1, -1) %}}{{{{ i }}}}{{% endfor %}}{{{{ range({stop}) | list | length }}}}"
     )
     source = f"{{% for m in messages %}}{body}{{% endfor %}}" if in_loop else body
 
     def render(direct: bool) -> str:
         template = compile_template(source)  # remembered per source: the setting is put back after
-        template.environment.direct_namespaces = direct
+        template.environment.call_directly = direct
         try:
             return template.render(messages=[1, 2])
         except Exception as exc:  # refused the same way, or not at all
             return f"{type(exc).__name__}: {exc}"
         finally:
-            template.environment.direct_namespaces = True
+            template.environment.call_directly = True
 
     assert render(True) == render(False)

@@ -130,6 +130,7 @@ _SETTING = {
 _CLOCK_EVERY = 256  # events (steps, writes) between two looks at the clock
 _LOOP_BATCH = 64  # loop items charged (and the clock read) at a time
 _SIZED = frozenset({list, tuple, dict, str, range})
+_DIRECT_KINDS = frozenset({type, types.FunctionType})  # what a direct callable can be (hashable)
 
 
 class _RenderClock:
@@ -799,7 +800,10 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
     # The classes ``namespace(...)`` makes here: Jinja's, and the environment's own global (transformers' subclass
     # refuses underscore names when one is set, and reads like Jinja's).
     namespace_types: frozenset[type] = frozenset({Namespace})
-    direct_namespaces = True  # False: ``namespace(...)`` takes the sandbox's own way (the reference, for tests)
+    # Globals called without the sandbox's probing (see ``call``); call_directly = False takes the sandbox's own
+    # way for them too (the reference, for tests).
+    direct_callables: frozenset[Any] = frozenset({Namespace})
+    call_directly = True
 
     def _generate(
         self, source: nodes.Template, name: str | None, filename: str | None, defer_init: bool = False
@@ -953,9 +957,10 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
                 kwargs.pop("_loop_vars", None)
                 kwargs.pop("_block_vars", None)
             return __obj(*args, **kwargs)
-        if __self.direct_namespaces and isinstance(__obj, type) and __obj in __self.namespace_types:
-            # ``namespace(...)``, made for every message by some templates (Gemma 4: four per message): what the
-            # sandbox and Context.call do for it (a safe class that takes no context), without their probing.
+        if __self.call_directly and type(__obj) in _DIRECT_KINDS and __obj in __self.direct_callables:
+            # ``namespace(...)`` and ``range(...)``, called for every message by some templates (Gemma 4: six
+            # times per message): what the sandbox and Context.call do for these safe callables that take no
+            # context, without their probing.
             if kwargs:
                 kwargs.pop("_loop_vars", None)
                 kwargs.pop("_block_vars", None)
@@ -1243,6 +1248,7 @@ def compile_template(source: str, settle_scans: bool = True, values: str = "pyth
         original = env.globals.get(name)
         if callable(original):
             env.globals[name] = bound(original)
+    env.direct_callables = frozenset({*env.namespace_types, env.globals.get("range")} - {None})
     env.tests.update(reference.tests)
     return env.from_string(source)
 
