@@ -47,6 +47,25 @@ def verified_pieces(vocab: str) -> Any:
     return pieces
 
 
+def assert_counts_like_the_tokenizer(
+    pieces: Any, rule: Any, texts: list[str], specials: list[str] | None = None
+) -> None:
+    """Each text counts as the tokenizer encodes it, by ``rule`` where it takes the text and alone; and the texts
+    joined by added tokens (``specials``, default: the tokenizer's first three) count alike as one prompt and as
+    two segments."""
+    for text in texts:
+        whole = pieces.full(text)
+        if rule.takes(text):
+            assert rule.count([text], pieces._tokenizer) == [whole]
+        assert pieces.alone(text) == whole
+    # Inside a prompt: pieces between added tokens, counted after one.
+    specials = specials or [t.content for t in pieces._tokenizer.added[:3]]
+    prompt = "".join(f"{specials[i % len(specials)]}{text}" for i, text in enumerate(texts))
+    assert pieces.count(prompt) == pieces.full(prompt)
+    half = len(prompt) // 2
+    assert pieces.count_segments([prompt[:half], prompt[half:]]) == pieces.full(prompt)
+
+
 def assert_switched_off(pieces: Any, name: str, left: set[str]) -> None:
     """The rule ``name``, which the settings allow, was disproved by the tokenizer, said so, and only ``left``
     stayed on."""

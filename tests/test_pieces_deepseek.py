@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 import contextkeeper as ck
 from assets import template, tokenizer_dir
-from conftest import assert_switched_off, hf_tokenizer, verified_pieces
+from conftest import assert_counts_like_the_tokenizer, assert_switched_off, hf_tokenizer, verified_pieces
 from contextkeeper.tokens.pieces import AsciiWords, ByteBound, LineBlocks, PieceCounter, Pieces, Segments
 from contextkeeper.tokens.pieces._rules import (
     _COVERED_BLOCKS,
@@ -219,17 +219,10 @@ def test_pre_tokens_and_counts_equal_the_tokenizer_on_every_script(data: st.Data
     rule = _rule(pieces)
     texts = data.draw(st.lists(_TEXT, min_size=1, max_size=4))
     for text in texts:
-        whole = pieces.full(text)
         if rule.takes(text):
             assert _ours(rule, text) == _theirs(pieces, text)
-            assert rule.count([text], pieces._tokenizer) == [whole]
-        assert pieces.alone(text) == whole
-    # Inside a prompt: pieces between added tokens, counted after one.
     specials = ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]
-    prompt = "".join(f"{specials[i % len(specials)]}{text}" for i, text in enumerate(texts))
-    assert pieces.count(prompt) == pieces.full(prompt)
-    half = len(prompt) // 2
-    assert pieces.count_segments([prompt[:half], prompt[half:]]) == pieces.full(prompt)
+    assert_counts_like_the_tokenizer(pieces, rule, texts, specials)
 
 
 def test_pieces_the_rule_does_not_cover_go_to_the_tokenizer() -> None:

@@ -23,7 +23,7 @@ EXPECTED: dict[str, tuple[set[str], str | None]] = {
     "llama-bpe": ({"pieces", "segments", "blocks", "words", "unicode", "bound"}, "any"),
     "deepseek-v4": ({"pieces", "segments", "blocks", "deepseek", "bound"}, "any"),
     "deepseek-llm": ({"pieces", "segments", "bound"}, "any"),
-    "gemma-4": ({"pieces", "segments", "bound"}, "any"),
+    "gemma-4": ({"pieces", "segments", "spaces", "bound"}, "any"),
     "llama-spm": ({"pieces", "segments"}, None),
     "phi-3": ({"pieces", "segments"}, None),
 }

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import contextkeeper as ck
 from assets import template
-from conftest import hf_tokenizer, raw_backend, verified_pieces
+from conftest import assert_counts_like_the_tokenizer, hf_tokenizer, raw_backend, verified_pieces
 from contextkeeper.tokens.pieces import AsciiWords, ByteBound, LineBlocks, PieceCounter, Pieces, Segments
 from contextkeeper.tokens.pieces._rules import _COVERED_BLOCKS, UnicodeWords, _coverage, _word_split
 
@@ -143,18 +143,7 @@ _TEXT = st.lists(st.one_of(_BLOCK_TEXT, st.sampled_from(_SNIPPETS)), max_size=10
 @given(data=st.data())
 def test_counts_by_pre_tokens_equal_the_tokenizer_on_every_script(vocab: str, data: st.DataObject) -> None:
     pieces = _counter(vocab)
-    rule = _unicode(pieces)
-    texts = data.draw(st.lists(_TEXT, min_size=1, max_size=4))
-    for text in texts:
-        whole = pieces.full(text)
-        if rule.takes(text):
-            assert rule.count([text], pieces._tokenizer) == [whole]
-        assert pieces.alone(text) == whole
-    # Inside a prompt: pieces between added tokens, counted after one.
-    specials = [t.content for t in pieces._tokenizer.added[:3]]
-    prompt = "".join(f"{specials[i % len(specials)]}{text}" for i, text in enumerate(texts))
-    assert pieces.count(prompt) == pieces.full(prompt)
-    assert pieces.count_segments([prompt[: len(prompt) // 2], prompt[len(prompt) // 2 :]]) == pieces.full(prompt)
+    assert_counts_like_the_tokenizer(pieces, _unicode(pieces), data.draw(st.lists(_TEXT, min_size=1, max_size=4)))
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
@@ -253,13 +242,18 @@ def test_a_unicode_rule_the_tokenizer_disproves_is_switched_off(char: str, sourc
 
 # -- whole prompts -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("name", "vocab"), [("Qwen-Qwen3-0.6B", "qwen2"), ("meta-llama-Llama-3.3-70B-Instruct", "llama-bpe")]
+    ("name", "vocab", "rule"),
+    [
+        ("Qwen-Qwen3-0.6B", "qwen2", "unicode"),
+        ("meta-llama-Llama-3.3-70B-Instruct", "llama-bpe", "unicode"),
+        ("google-gemma-4-31B-it", "gemma-4", "spaces"),  # the rule of test_pieces_spaces.py
+    ],
 )
-def test_prompts_in_every_script_count_as_the_chat_template_encodes_them(name: str, vocab: str) -> None:
+def test_prompts_in_every_script_count_as_the_chat_template_encodes_them(name: str, vocab: str, rule: str) -> None:
     tokenizer = hf_tokenizer(vocab)
     counter = ck.HFChatTemplateCounter(tokenizer, chat_template=template(name))
     assert counter._pieces is not None
-    assert "unicode" in counter._pieces.rules.on
+    assert rule in counter._pieces.rules.on
     for script in SCRIPTS:
         conversation = build_script(script, messages=40, seed=11)
         for messages in (conversation[:20], conversation):  # cold, then grown by twenty messages

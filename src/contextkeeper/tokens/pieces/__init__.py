@@ -25,6 +25,9 @@ applies, proves itself against the tokenizer on probe texts, and does the counti
 - ``deepseek``: the same for DeepSeek V3's pre-tokenizer, three splits in a row (runs of up to three numbers,
   runs of CJK ideographs and kana, then its word pattern), cut by one regex of ours proved against the
   tokenizer's own three splits;
+- ``spaces``: for BPE that writes each space as one symbol and cuts nothing before its merges (Gemma's), a piece
+  counts as its words cut before spaces, each distinct one encoded once by the BPE model; no cut is made where a
+  token of the vocabulary runs across the space, which the rule reads from the vocabulary;
 - ``bound``: byte-level BPE has at most one token per UTF-8 byte (an upper bound without tokenizing).
 
 ``PieceCounter`` holds the rules that applied and verified and composes them; ``PieceCounter.full`` is the
@@ -46,6 +49,7 @@ from ._rules import (
     Rule,
     RuleReport,
     Segments,
+    SpaceWords,
     UnicodeWords,
 )
 
@@ -60,5 +64,6 @@ __all__ = [
     "Rule",
     "RuleReport",
     "Segments",
+    "SpaceWords",
     "UnicodeWords",
 ]

@@ -19,6 +19,7 @@ from ._rules import (
     Rule,
     RuleReport,
     Segments,
+    SpaceWords,
     Tokenizer,
     UnicodeWords,
 )
@@ -81,13 +82,16 @@ class PieceCounter:
         self._words = self._rule(AsciiWords)
         self._unicode = self._rule(UnicodeWords)
         self._deepseek = self._rule(DeepSeekWords)
+        self._spaces = self._rule(SpaceWords)
         self._bound = self._rule(ByteBound)
         # The pre-token rules on, in the order they take pieces (ASCII first: its regex is the smaller). DeepSeek's
-        # rule is on only where the other two are off (they need another pre-tokenizer).
-        word_rules = (self._words, self._unicode, self._deepseek)
+        # rule is on only where the other two are off (they need another pre-tokenizer), the space rule only where
+        # all three are (it needs a tokenizer that cuts nothing).
+        word_rules = (self._words, self._unicode, self._deepseek, self._spaces)
         self._word_rules: list[AsciiWords] = [rule for rule in word_rules if rule is not None]
-        # Byte-level BPE without a prefix space (what blocks and words need): a text's first piece counts as any
-        # piece after an added token, so a text alone is its pieces.
+        # Byte-level BPE without a prefix space (what blocks and words need), or BPE that only replaces spaces (what
+        # the space rule needs, and proves): a text's first piece counts as any piece after an added token, so a
+        # text alone is its pieces.
         self._alone_as_pieces = self._pieces is not None and (self._blocks is not None or bool(self._word_rules))
 
     @property
