@@ -83,7 +83,6 @@ def agent_chat(seed: int, turns: int = 6) -> list[dict[str, Any]]:
 
 MOVED = (
     "keeper.dicts",
-    "fit.unit_chars",
     "fit.rewrites",
     "fit.rewrite_roots",
     "hf.views",
@@ -144,7 +143,7 @@ def test_every_moved_cache_is_an_identity_memo_reported_by_name(tmp_path: Path) 
         assert isinstance(transcript._seen, IdentityMemo)
     session = k._sessions.get("default")
     assert isinstance(session.dicts, IdentityMemo)
-    for key in ("_unit_chars", "_rewrites", "_rewrite_roots"):
+    for key in ("_rewrites", "_rewrite_roots"):
         assert isinstance(session.memory[key], IdentityMemo), key
     assert isinstance(shared_counter()._views, IdentityMemo)
     assert isinstance(FROZEN_JSON._outputs, IdentityMemo)
@@ -226,13 +225,16 @@ def _state(memory: dict[str, Any]) -> FitState:
     return FitState(system=(), history=(), request=(), limit=1000, count=lambda history: 0, memory=memory)
 
 
-def test_unit_chars_never_answer_a_recycled_id() -> None:
+def test_unit_chars_are_each_items_own_and_never_a_recycled_ids() -> None:
     state = _state({})
 
     def use(unit: tuple[Item, ...]) -> None:
         assert state.unit_chars([unit]) == [_unit_chars(unit)]
+        assert state.unit_chars([unit]) == [_unit_chars(unit)]  # counted once, then read from the items
+        assert all(item._chars == _unit_chars((item,)) for item in unit)
 
     recycled(lambda n: (Item(_message(n)), Item(_message(n * 7))), use)
+    assert "_unit_chars" not in state.memory
 
 
 def test_rewrites_and_their_roots_never_answer_a_recycled_id() -> None:

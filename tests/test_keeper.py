@@ -270,6 +270,42 @@ def test_state_chars_follow_a_history_that_shares_its_first_units() -> None:
         assert state.chars() == expected
 
 
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=30)
+_ARGUMENTS = st.one_of(_TEXT.map(json.dumps), st.dictionaries(st.sampled_from("abc"), st.integers(), max_size=3))
+_MESSAGE = st.one_of(
+    st.builds(lambda role, text: {"role": role, "content": text}, st.sampled_from(["user", "system", "tool"]), _TEXT),
+    st.lists(_TEXT, min_size=1, max_size=3).map(
+        lambda parts: {"role": "user", "content": [{"type": "text", "text": part} for part in parts]}
+    ),
+    st.builds(
+        lambda text, arguments: {
+            "role": "assistant",
+            "content": text or None,
+            "tool_calls": [
+                {"id": f"call{i}", "type": "function", "function": {"name": "f", "arguments": a}}
+                for i, a in enumerate(arguments)
+            ],
+        },
+        _TEXT,
+        st.lists(_ARGUMENTS, min_size=1, max_size=3),
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(units=st.lists(st.lists(_MESSAGE, min_size=1, max_size=4), min_size=1, max_size=6))
+def test_unit_chars_read_from_the_items_equal_counting_the_units(units: list[list[dict[str, Any]]]) -> None:
+    from contextkeeper.messages import Message
+    from contextkeeper.strategies.base import FitState, Item, _unit_chars
+
+    history = tuple(tuple(Item(Message.from_dict(m)) for m in unit) for unit in units)
+    state = FitState(system=(), history=history, request=(), limit=1, count=len)
+    reference = [_unit_chars(unit) for unit in history]
+    assert state.unit_chars(history) == reference  # counted by the items
+    assert state.unit_chars(history) == reference  # read back from them
+    assert state.unit_chars(history[::-1]) == reference[::-1]
+
+
 @dataclass(frozen=True)
 class _Apply:
     """A strategy reduced to its ``apply``."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import sys
 import typing
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -62,9 +61,21 @@ class Item:
     # Asked for on every pass over the history: read once. Set here rather than cached on first read, which would
     # give each of the hundreds of thousands of items a keeper holds a dict of its own for the collector to scan.
     role: str = field(init=False, repr=False, compare=False)
+    # Characters of the message's text and tool-call arguments, counted on first read (-1: not yet). Kept on the
+    # item, not in a cache keyed by units: such a cache held every unit of every earlier fit alive, with its items
+    # and messages, for the collector to scan (about 190,000 objects per 50 conversations).
+    _chars: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", str(self.message.role))
+
+    def chars(self) -> int:
+        """Characters of the message's text and tool-call arguments (counted once; the message is immutable)."""
+        known = self._chars
+        if known < 0:
+            known = _unit_chars((self,))
+            object.__setattr__(self, "_chars", known)
+        return known
 
     def text(self) -> str:
         """The message's text (content parts joined), for strategies that read it."""
@@ -80,11 +91,6 @@ conversation (its kind and index range)."""
 # The rewrites kept per source message (one per strategy setting that rewrote it, newest first): a key that
 # changes every turn, such as the set of pruned calls, cannot pile up versions of one message.
 _REWRITES_PER_SOURCE = 8
-
-
-def _unit_entry_size(unit: Items, chars: int) -> int:
-    # The unit's tuple and items; its messages are counted where the counter keeps them.
-    return sys.getsizeof(unit) + 320 * len(unit) + 96
 
 
 def _rewrites_size(source: Message, made: tuple[tuple[Any, Message], ...]) -> int:
@@ -202,21 +208,8 @@ class FitState:
         return total
 
     def unit_chars(self, units: Sequence[Items]) -> list[int]:
-        """Characters of each unit's text and tool-call arguments (cheap; remembered per unit, within the shared
-        cache budget)."""
-        cache = self.memory.get("_unit_chars")
-        if cache is None:  # bounded, with every other cache, by the shared byte budget
-            cache = self.memory["_unit_chars"] = IdentityMemo("fit.unit_chars", sizer=_unit_entry_size)
-        out: list[int] = []
-        new: list[tuple[Items, int]] = []
-        for unit, chars in zip(units, cache.get_many(units), strict=True):
-            if chars is None:
-                chars = _unit_chars(unit)
-                new.append((unit, chars))
-            out.append(chars)
-        if new:
-            cache.put_many(new)  # the entries hold the units: their ids stay unique while cached
-        return out
+        """Characters of each unit's text and tool-call arguments (cheap; each item counts its own once)."""
+        return [sum(item.chars() for item in unit) for unit in units]
 
     def over(self) -> int:
         """Tokens over the limit (negative: room left)."""
