@@ -530,7 +530,7 @@ def main() -> int:
         "",
         *sweep_table(swept_rows),
         "",
-        CURVE,
+        CURVE.format(slack=SlidingWindow().slack),
         "<!-- prefix:end -->",
     ]
     block = "\n".join(lines)
