@@ -643,6 +643,34 @@ def test_memo_under_threads_keeps_its_accounting() -> None:
         _memo.set_cache_bytes(None)
 
 
+def test_an_identity_memo_measures_each_entry_once_and_accounts_for_it_exactly() -> None:
+    from contextkeeper import _memo
+
+    _memo.set_cache_bytes(64 * 1024)  # generations of 16 KiB: reading old entries moves them to the newest
+    try:
+        measured: list[int] = []
+
+        def sizer(obj: list[int], value: str) -> int:
+            measured.append(len(obj))
+            return 8 * len(obj) + len(value)
+
+        memo: _memo.IdentityMemo[list[int], str] = _memo.IdentityMemo("test.identity", sizer=sizer)
+        objs = [[i] * (1 + i % 5) for i in range(300)]
+        memo.put_many((obj, "v" * len(obj)) for obj in objs[:150])
+        for obj in objs[150:]:
+            memo.put(obj, "v" * len(obj))
+        assert len(measured) == 300
+        for _ in range(3):  # many conversations read in turn: old entries move forward
+            found = [memo.get(obj) for obj in objs]
+            assert all(f is None or f == "v" * len(o) for f, o in zip(found, objs, strict=True))
+        assert len(measured) == 300  # a move is charged what the put measured, not measured again
+        kept = [(obj, memo.get(obj)) for obj in objs]
+        assert memo.nbytes == sum(sizer(o, v) + _memo.ENTRY_OVERHEAD for o, v in kept if v is not None)
+        assert _memo.cache_usage().held <= 64 * 1024
+    finally:
+        _memo.set_cache_bytes(None)
+
+
 def test_memoize_remembers_results_within_the_budget_none_included() -> None:
     from contextkeeper import _memo
 

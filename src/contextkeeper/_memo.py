@@ -533,6 +533,11 @@ class Memo(Generic[K, V]):
         return f"Memo({self.name!r}, {len(self)} entries, {self.nbytes:,} bytes)"
 
 
+def _kept_size(key: int, entry: tuple[Any, Any, int]) -> int:
+    """An :class:`IdentityMemo` entry's size, measured when it was put."""
+    return entry[2]
+
+
 class IdentityMemo(Generic[T, V]):
     """A :class:`Memo` keyed by an object's identity: for values derived from objects that are not hashable
     (the caller's dicts) or whose equality is not what matters (equal messages that render apart).
@@ -541,10 +546,12 @@ class IdentityMemo(Generic[T, V]):
     lives, and a look-up answers only for the very same object. ``fresh(obj, value)``, when given, must hold too:
     an object changed in place since its value was made (say, no longer equal to the copy kept in the value) is
     a miss, never a stale answer. ``sizer(obj, value)`` gives an entry's bytes (``ENTRY_OVERHEAD`` is added);
-    it may leave out the object itself where the value holds a copy of it. Thread-safe as :class:`Memo` is.
+    it may leave out the object itself where the value holds a copy of it. It is called once per entry: the entry
+    keeps its size, so moving it to the newest generation (many conversations read in turn) or dropping it costs
+    no second walk of its value. Thread-safe as :class:`Memo` is.
     """
 
-    __slots__ = ("_fresh", "_memo")
+    __slots__ = ("_fresh", "_memo", "_sizer")
 
     def __init__(
         self,
@@ -553,7 +560,9 @@ class IdentityMemo(Generic[T, V]):
         sizer: Callable[[T, V], int],
         fresh: Callable[[T, V], bool] | None = None,
     ) -> None:
-        self._memo: Memo[int, tuple[T, V]] = Memo(name, sizer=lambda key, entry: sizer(entry[0], entry[1]))
+        # An entry is (object, value, its size): never falsy.
+        self._memo: Memo[int, tuple[T, V, int]] = Memo(name, sizer=_kept_size)
+        self._sizer = sizer
         self._fresh = fresh
 
     @property
@@ -579,7 +588,7 @@ class IdentityMemo(Generic[T, V]):
         out: list[V | None] = []
         for obj in objs:
             key = id(obj)
-            entry = recent(key) or older(key)  # an entry is a 2-tuple: never falsy
+            entry = recent(key) or older(key)  # an entry is a 3-tuple: never falsy
             if entry is None or entry[0] is not obj or (fresh is not None and not fresh(obj, entry[1])):
                 out.append(None)
             else:
@@ -588,11 +597,12 @@ class IdentityMemo(Generic[T, V]):
 
     def put(self, obj: T, value: V) -> None:
         """Remember ``value`` for ``obj`` (holding ``obj`` while the entry lives)."""
-        self._memo.put(id(obj), (obj, value))
+        self._memo.put(id(obj), (obj, value, self._sizer(obj, value)))
 
     def put_many(self, items: Iterable[tuple[T, V]]) -> None:
         """:meth:`put` of each ``(obj, value)``, under one lock."""
-        self._memo.put_many((id(obj), (obj, value)) for obj, value in items)
+        sizer = self._sizer
+        self._memo.put_many((id(obj), (obj, value, sizer(obj, value))) for obj, value in items)
 
     def pop(self, obj: T) -> V | None:
         """Forget ``obj``; its value, or None (also when the entry was another object's)."""
