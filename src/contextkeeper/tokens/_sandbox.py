@@ -133,6 +133,15 @@ _SIZED = frozenset({list, tuple, dict, str, range})
 _DIRECT_KINDS = frozenset({type, types.FunctionType})  # what a direct callable can be (hashable)
 
 
+def _call_plain(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``obj(*args, **kwargs)`` for a callable that takes no context, without the loop's own arguments (what the
+    sandbox and Context.call do for it, without their probing)."""
+    if kwargs:
+        kwargs.pop("_loop_vars", None)
+        kwargs.pop("_block_vars", None)
+    return obj(*args, **kwargs)
+
+
 class _RenderClock:
     """Seconds of CPU time the calling thread has spent outside garbage collection.
 
@@ -947,24 +956,16 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
             return super().call(__context, __obj, *args, **kwargs)
         budget.step()
         if type(__obj) is _BUILTIN_METHOD and type(__obj.__self__) in _PLAIN_SELVES:
-            # What the sandbox and Context.call would do for these (call it, without the loop's own arguments),
-            # without their probing.
+            # Methods of plain values: called directly (a str method is charged for what it makes first).
             if type(__obj.__self__) is str:
                 check = _STR_CHECKS.get(__obj.__name__)
                 if check is not None:
                     check(budget, __obj.__self__, args, kwargs)
-            if kwargs:
-                kwargs.pop("_loop_vars", None)
-                kwargs.pop("_block_vars", None)
-            return __obj(*args, **kwargs)
+            return _call_plain(__obj, args, kwargs)
         if __self.call_directly and type(__obj) in _DIRECT_KINDS and __obj in __self.direct_callables:
             # ``namespace(...)`` and ``range(...)``, called for every message by some templates (Gemma 4: six
-            # times per message): what the sandbox and Context.call do for these safe callables that take no
-            # context, without their probing.
-            if kwargs:
-                kwargs.pop("_loop_vars", None)
-                kwargs.pop("_block_vars", None)
-            return __obj(*args, **kwargs)
+            # times per message): safe callables that take no context, called directly.
+            return _call_plain(__obj, args, kwargs)
         if not isinstance(__obj, (Macro, LoopContext)):
             return super().call(__context, __obj, *args, **kwargs)
         # A macro (or a recursive loop) runs template code again: count how deep.

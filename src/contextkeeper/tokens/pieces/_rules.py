@@ -237,21 +237,19 @@ def _space_words(backend: Any) -> str | None:
     return str(normalizer["content"])
 
 
-def _no_cut_before(vocabulary: Sequence[str], symbol: str) -> str:
-    """The characters after which a ``symbol`` starts no cut: those some token holds right before it."""
-    # One regex over the joined vocabulary (a loop over Gemma's 262,144 tokens takes 0.2 s); NUL joins them, so
-    # the few tokens that hold a NUL themselves are looked at apart.
-    found = set(re.findall(f"([^\\x00{re.escape(symbol)}]){re.escape(symbol)}", "\x00".join(vocabulary)))
-    for token in (token for token in vocabulary if "\x00" in token):
+def _borders(vocabulary: Sequence[str], symbol: str) -> tuple[str, bool]:
+    """What the vocabulary says of cutting before a ``symbol`` and around newlines: the characters after which a
+    ``symbol`` starts no cut (those some token holds right before it), and whether no token holds a newline beside
+    another character (so runs of newlines are words of their own)."""
+    # Regexes over the vocabulary joined once by NUL (a loop over Gemma's 262,144 tokens takes 0.2 s). Tokens that
+    # hold a NUL themselves, if any, are looked at apart.
+    joined = "\x00".join(vocabulary)
+    odd = [token for token in vocabulary if "\x00" in token] if joined.count("\x00") >= len(vocabulary) else []
+    found = set(re.findall(f"([^\\x00{re.escape(symbol)}]){re.escape(symbol)}", joined))
+    for token in odd:
         found.update(token[i - 1] for i in range(1, len(token)) if token[i] == symbol)
-    return "".join(sorted(found - {symbol}))
-
-
-def _lines_apart(vocabulary: Sequence[str]) -> bool:
-    """Whether no token holds a newline beside another character (so runs of newlines are words of their own)."""
-    if re.search("[^\n\x00]\n|\n[^\n\x00]", "\x00".join(vocabulary)):
-        return False
-    return not any("\n" in token and token.strip("\n") for token in vocabulary if "\x00" in token)
+    mixed = re.search("[^\n\x00]\n|\n[^\n\x00]", joined) or any("\n" in t and t.strip("\n") for t in odd)
+    return "".join(sorted(found - {symbol})), not mixed
 
 
 # Split patterns under which a line start (see _LINE_START) is always a pre-token border, whatever text follows:
@@ -1050,10 +1048,10 @@ class SpaceWords(AsciiWords):
     def __init__(self, tokenizer: Tokenizer) -> None:
         symbol = _space_words(tokenizer.backend)
         assert symbol is not None
-        vocabulary = list(tokenizer.backend.get_vocab(with_added_tokens=False))
-        keep = re.escape(" " + symbol + _no_cut_before(vocabulary, symbol))
+        no_cut, lines_apart = _borders(list(tokenizer.backend.get_vocab(with_added_tokens=False)), symbol)
+        keep = re.escape(" " + symbol + no_cut)
         cuts = [f"(?<=[^{keep}])(?= )"]
-        if _lines_apart(vocabulary):
+        if lines_apart:
             cuts.append(r"(?<=[^\n])(?=\n)|(?<=\n)(?=[^\n])")
         self.findall = re.compile("|".join(cuts)).split  # the words, in order
         self.symbol = symbol
