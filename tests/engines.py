@@ -157,6 +157,18 @@ class RedisServer(_Engine):
             "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
         ]  # fmt: skip
 
+    def restart(self) -> None:
+        """Stop and start again on the same port: nothing was saved, so it comes back empty."""
+        self.stop()
+        self.start()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash (no shutdown, nothing handed to replicas)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=15)
+            self.process = None
+
 
 def _postgres_bin() -> Path | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"), key=lambda p: int(Path(p).parts[-3]))

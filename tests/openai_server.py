@@ -37,6 +37,15 @@ Hidden tokens (what a server adds that the client cannot see) are real: ``hidden
 ids (``add_special_tokens=False``) are prepended to the prompt ids, and ``hidden_tokens`` is a constant added on
 top; both go into ``usage.prompt_tokens`` and into the limit check.
 
+Request fields that change the prompt are rendered as vLLM renders them (``vllm/entrypoints/chat_utils.py``
+``apply_hf_chat_template``; ``serving_chat.py`` passes the request's fields): ``documents`` is handed to the
+template as ``documents=``, ``chat_template_kwargs`` are splatted into ``apply_chat_template`` (the names the call
+itself sets are left out, as vLLM's resolution of the kwargs does), and a per-request ``chat_template`` replaces the
+server's. Media parts (``image_url``, ``input_image``, ``input_audio``, ``video_url``, ``file``) count
+``media_tokens`` each (the placeholder tokens a vision or audio model expands one part into; 0 by default, as a
+text model has none). ``n`` answers are generated (each the scripted reply; ``completion_tokens`` counts them
+all), as vLLM does for ``n``.
+
 Replies are scripted: ``server.replies.append("text" | {"content": ..., "tool_calls": [...]} | callable)``;
 with the queue empty the reply is ``"Reply to request N."``. ``completion_tokens`` is the tokenizer's count of
 the reply text (``add_special_tokens=False``; tool calls: name plus arguments of each call); a reply longer than
@@ -106,6 +115,13 @@ __all__ = [
 ]
 
 FAILURE_KINDS = ("timeout", "500", "503", "429", "malformed", "disconnect", "cut", "overstate")
+# Content parts a multimodal model expands into placeholder tokens (``media_tokens`` each).
+MEDIA_PARTS = frozenset({"image_url", "input_image", "input_audio", "video_url", "file"})
+# What the chat call sets itself: request kwargs under these names are not passed on (vLLM resolves the kwargs so).
+_CALL_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize",
+     "return_dict", "continue_final_message"}
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -625,6 +641,7 @@ class ChatServer:
         prefix_cache: bool = False,
         block_size: int = 16,
         cache_blocks: int | None = None,
+        media_tokens: int = 0,
     ) -> None:
         if dialect not in DIALECTS:
             raise ValueError(f"unknown dialect {dialect!r}; known: {', '.join(DIALECTS)}")
@@ -646,6 +663,7 @@ class ChatServer:
         self.max_model_len = max_model_len
         self.dialect = dialect
         self.hidden_tokens = hidden_tokens
+        self.media_tokens = media_tokens
         self.hidden_prefix = hidden_prefix
         self._hidden_ids: list[int] = (
             list(tokenizer.encode(hidden_prefix, add_special_tokens=False)) if hidden_prefix else []
@@ -775,12 +793,37 @@ class ChatServer:
             self._failures.clear()
             self.accepted = self.rejected = self.failed = 0
 
-    def count(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
-        """The prompt tokens this server reports for these messages and tools (hidden tokens included)."""
-        return len(self.prompt_ids(messages, tools)) + self.hidden_tokens
+    def count(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **fields: Any) -> int:
+        """The prompt tokens this server reports for these messages and tools (hidden tokens included), with the
+        request's prompt fields (``documents``, ``chat_template_kwargs``, ``chat_template``)."""
+        return len(self.prompt_ids(messages, tools, **fields)) + self.hidden_tokens + self.media_count(messages)
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt's token ids: the hidden prefix, then the chat template's ids."""
+    def media_count(self, messages: list[dict[str, Any]]) -> int:
+        """The placeholder tokens of the messages' media parts (``media_tokens`` each)."""
+        parts = sum(
+            1
+            for message in messages
+            if isinstance(message.get("content"), list)
+            for part in message["content"]
+            if isinstance(part, dict) and part.get("type") in MEDIA_PARTS
+        )
+        return parts * self.media_tokens
+
+    def prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        """The prompt's token ids: the hidden prefix, then the chat template's ids (the request's ``documents``,
+        ``chat_template_kwargs`` and ``chat_template`` as vLLM passes them)."""
+        template = chat_template or self.chat_template
+        extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _CALL_KWARGS}
+        if documents is not None:
+            extra["documents"] = documents
         if self.preprocess == "raw":
             conversation, tool_dicts = messages, tools
         else:
@@ -797,18 +840,20 @@ class ChatServer:
                 ids = self.tokenizer.apply_chat_template(
                     conversation,
                     tools=tool_dicts,
-                    chat_template=self.chat_template,
+                    chat_template=template,
                     add_generation_prompt=True,
                     tokenize=True,
                     return_dict=False,
+                    **extra,
                 )
             else:
                 text = self.tokenizer.apply_chat_template(
                     conversation,
                     tools=tool_dicts,
-                    chat_template=self.chat_template,
+                    chat_template=template,
                     add_generation_prompt=True,
                     tokenize=False,
+                    **extra,
                 )
                 ids = self.tokenizer.encode(text + prefill, add_special_tokens=False)
         return self._hidden_ids + list(ids)
@@ -896,8 +941,9 @@ class ChatServer:
         else:
             max_tokens, param = None, "max_tokens"
         record.max_tokens = max_tokens
-        prompt_ids = self.prompt_ids(messages, tools)
-        prompt = len(prompt_ids) + self.hidden_tokens
+        fields = {key: body[key] for key in ("documents", "chat_template_kwargs", "chat_template") if body.get(key)}
+        prompt_ids = self.prompt_ids(messages, tools, **fields)
+        prompt = len(prompt_ids) + self.hidden_tokens + self.media_count(messages)
         outcome = DIALECTS[self.dialect].check(
             prompt if overstate is None else overstate, max_tokens, param, self.max_model_len
         )
@@ -930,6 +976,8 @@ class ChatServer:
                 function["arguments"] = json.dumps(function.get("arguments") or {})
             calls.append({"id": call.get("id", f"call_{record.index}_{n}"), "type": "function", "function": function})
             used += len(self.tokens(function["name"])) + len(self.tokens(function["arguments"]))
+        answers = int(body.get("n") or 1)  # n sequences, each given the scripted reply
+        used *= answers
         record.accepted, record.completion_tokens, record.finish_reason = True, used, finish
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
@@ -944,7 +992,10 @@ class ChatServer:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or self.served_model_name,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish, **choice_marks}],
+            "choices": [
+                {"index": i, "message": message, "logprobs": None, "finish_reason": finish, **choice_marks}
+                for i in range(answers)
+            ],
             "usage": usage,
             **marks,
         }
@@ -1147,7 +1198,11 @@ def _make_handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             head.update({k: v for k, v in marks.items() if k == "system_fingerprint"})
             events: list[tuple[bytes, str]] = []
 
+            answers = len(response["choices"])
+
             def chunk(choices: list[dict[str, Any]], content: str = "", **extra: Any) -> None:
+                # (each sequence of n gets the same deltas, under its own index)
+                choices = [{**choice, "index": i} for choice in choices for i in range(answers)]
                 for choice in choices:
                     choice.update(choice_marks)
                 event = {**head, "object": "chat.completion.chunk", "choices": choices, **extra}

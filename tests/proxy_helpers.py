@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,22 @@ def running_proxy(routes: list[Route], upstream: str, **settings: Any) -> Iterat
         server.close()
 
 
+def debug(url: str, conversation: str | None = None, key: str | None = "client-key") -> httpx2.Response:
+    """``GET /contextkeeper/conversations[/<conversation>]`` as the tenant of ``key`` (the bearer key its chats
+    were sent with: each tenant sees its own conversations; None: the keyless tenant)."""
+    path = f"{url}/contextkeeper/conversations" + (f"/{conversation}" if conversation is not None else "")
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx2.get(path, headers=headers, timeout=10)
+
+
+def tenant(key: str | None = "client-key") -> str:
+    """The tenant a keyless proxy gives a client that sends ``key`` (None: the anonymous tenant)."""
+    from contextkeeper.proxy.access import ANONYMOUS, Access
+
+    caller = Access().caller(f"Bearer {key}" if key is not None else None, {}, None)
+    return caller.tenant if caller is not None else ANONYMOUS
+
+
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -99,6 +115,33 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     """The sum of ``name``'s samples whose labels include ``labels``."""
     want = set(labels.items())
     return sum(value for (key, got), value in samples.items() if key == name and want <= got)
+
+
+class Sampler:
+    """Reads a figure every ``interval`` seconds on a thread while the load runs; keeps every reading."""
+
+    def __init__(self, read: Callable[[], float], interval: float) -> None:
+        self.read = read
+        self.interval = interval
+        self.values: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.values.append(self.read())
+            except Exception as exc:  # reported by the test, not lost on the thread
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 # ------------------------------------------------------------------------------------ real serve processes
@@ -349,14 +392,19 @@ async def run_load(
     return run
 
 
-def write_config(path: Path, tokenizer: Path, context: int, load: dict[str, Any]) -> Path:
+def write_config(
+    path: Path, tokenizer: Path, context: int, load: dict[str, Any], top: dict[str, Any] | None = None
+) -> Path:
     """A proxy config: a ``probe*`` entry with no KV capacity (probes never queue behind the load), and a
-    catch-all entry for the load with ``load``'s keys (kv_capacity, ledger, ...)."""
+    catch-all entry for the load with ``load``'s keys (kv_capacity, ledger, ...); ``top``: top-level keys (a dict
+    value is written as an inline table: ``limits = {body_bytes = 4194304}``)."""
 
     def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
         return json.dumps(v)  # TOML strings, numbers and booleans are written as JSON writes them
 
-    lines = ["attempts = 2", ""]
+    lines = ["attempts = 2", *(f"{k} = {value(v)}" for k, v in (top or {}).items()), ""]
     for match, extra in (("probe*", {}), ("*", load)):
         lines += ["[[models]]", f"match = {value(match)}", f"tokenizer = {value(str(tokenizer))}"]
         lines += [f"context_window = {context}", *(f"{k} = {value(v)}" for k, v in extra.items()), ""]

@@ -61,6 +61,7 @@ print(json.dumps({"found": found, "failures": failures}))
 # Keyword arguments the constructors require besides the message (a new class that needs more fails loudly).
 REQUIRED: dict[str, dict[str, Any]] = {
     "RequestTooLarge": {"needed": 700, "limit": 600},
+    "RequestRejected": {"code": "body_too_large", "status": 413},
     "TemplateLimitExceeded": {"bound": "steps", "limit": 1000, "setting": "max_steps"},
     "AdmissionTimeout": {
         "requested": 900,

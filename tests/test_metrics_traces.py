@@ -35,7 +35,7 @@ from conftest import hf_tokenizer
 from contextkeeper import tracing
 from contextkeeper.proxy import Proxy
 from openai_server import ChatServer
-from proxy_helpers import route, running_proxy, scrape, total
+from proxy_helpers import route, running_proxy, scrape, tenant, total
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima")
 CONTEXT = 1024
@@ -93,9 +93,9 @@ def test_metrics_count_what_the_requests_did(tokenizer: Any, upstream: ChatServe
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="m", messages=history(1), max_tokens=0)
         deadline = time.monotonic() + 10
-        while proxy.proxy.debug.get("streamed") is None and time.monotonic() < deadline:
+        while proxy.proxy.debug.get(tenant("k"), "streamed") is None and time.monotonic() < deadline:
             time.sleep(0.02)  # the stream's exchange is observed once its last event went out
-        exchanges = [proxy.proxy.debug.get(c) for c in ids]
+        exchanges = [proxy.proxy.debug.get(tenant("k"), c) for c in ids]
         samples = scrape(proxy.url)
 
     entry = route(keeper).name
@@ -333,7 +333,7 @@ def test_the_proxy_gets_the_same_spans(tokenizer: Any, upstream: ChatServer, spa
         )
     root, fits, sent = tree(spans)
     assert root.attributes is not None
-    assert root.attributes["gen_ai.conversation.id"] == "p-1"
+    assert root.attributes["gen_ai.conversation.id"] == f"{tenant('k')}/p-1"  # the tenant-scoped key
     assert len(fits) == len(sent) == 1
 
 

@@ -35,7 +35,7 @@ from assets import require_assets, template, tokenizer_dir
 from conftest import hf_tokenizer
 from contextkeeper.cli import main
 from contextkeeper.proxy import Proxy, ProxyConfigError, ProxyServer, load_config
-from proxy_helpers import WORDS, RecordingChatServer, load_history, load_turn, route, running_proxy
+from proxy_helpers import WORDS, RecordingChatServer, debug, load_history, load_turn, route, running_proxy, tenant
 
 CONTEXT = 1024
 ANSWER = 64
@@ -140,7 +140,7 @@ def test_request_tools_and_answer_budget_are_reserved(tokenizer: Any) -> None:
         assert record.prompt_tokens == header
         assert header == keeper.fresh().count(record.body["messages"], tools=TOOLS)
         assert header + answer <= CONTEXT
-        report = httpx2.get(f"{proxy.url}/contextkeeper/conversations/tools", timeout=10).json()["report"]
+        report = debug(proxy.url, "tools").json()["report"]
     assert report["max_tokens"] == answer
     assert report["slots"]["tools"] > 0
 
@@ -172,7 +172,7 @@ def test_async_sdk_keeps_conversations_apart(
     assert counted == sorted(t for tokens in results for t in tokens)  # each header is what the upstream counted
     for record in upstream.requests:
         assert record.prompt_tokens == exact(tokenizer, record.body["messages"])
-    assert {"user-0", "user-1", "user-2"} <= set(keeper.sessions())
+    assert {f"{tenant('k')}/user-{n}" for n in range(3)} <= set(keeper.sessions())
 
 
 def test_stream_passes_chunk_by_chunk(tokenizer: Any, keeper: ck.ContextKeeper) -> None:
@@ -213,7 +213,7 @@ def test_stream_passes_chunk_by_chunk(tokenizer: Any, keeper: ck.ContextKeeper) 
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
         assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "".join(words)
         conversation = response.headers["x-contextkeeper-conversation"]
-        seen = httpx2.get(f"{proxy.url}/contextkeeper/conversations/{conversation}", timeout=10).json()
+        seen = debug(proxy.url, conversation, key=None).json()  # the raw client sent no key
         assert seen["stream"] is True
         assert seen["chunks"] == len(chunks)
         assert seen["error"] is None
@@ -240,10 +240,10 @@ def test_a_client_that_leaves_mid_stream_gives_its_admission_back(tokenizer: Any
         next(iter(stream))
         stream.close()  # the client hangs up after one chunk
         deadline = time.monotonic() + 10
-        while (keeper.ledger.active or proxy.proxy.debug.get("gone") is None) and time.monotonic() < deadline:
+        while (keeper.ledger.active or proxy.proxy.debug.get(tenant(), "gone") is None) and time.monotonic() < deadline:
             time.sleep(0.05)  # the proxy notices at the next upstream chunk
         assert keeper.ledger.active == 0
-        seen = proxy.proxy.debug.get("gone")
+        seen = proxy.proxy.debug.get(tenant(), "gone")
         assert seen is not None
         assert seen.error is not None
         assert seen.error.startswith("client_gone: the client left after 1 chunk(s)")
@@ -274,7 +274,7 @@ def test_context_refusal_is_recovered(tokenizer: Any, keeper: ck.ContextKeeper) 
         assert accepted.prompt_tokens is not None
         assert accepted.prompt_tokens + ANSWER <= CONTEXT
         assert int(raw.headers["x-contextkeeper-prompt-tokens"]) == accepted.prompt_tokens - hidden
-        seen = httpx2.get(f"{proxy.url}/contextkeeper/conversations/refused", timeout=10).json()
+        seen = debug(proxy.url, "refused").json()
         assert seen["call"]["attempts"] == len(upstream.requests)
         assert any("refused for length" in r for r in seen["call"]["recoveries"])
 
@@ -373,7 +373,7 @@ def test_debug_endpoint_has_the_last_fit(proxy: ProxyServer) -> None:
     raw = sdk(proxy).chat.completions.with_raw_response.create(
         model="m", messages=long_history(20), max_tokens=ANSWER, extra_headers={"X-Conversation-Id": "debug-1"}
     )
-    seen = httpx2.get(f"{proxy.url}/contextkeeper/conversations/debug-1", timeout=10)
+    seen = debug(proxy.url, "debug-1")
     assert seen.status_code == 200
     data = seen.json()
     assert data["conversation"] == "debug-1"
@@ -390,9 +390,9 @@ def test_debug_endpoint_has_the_last_fit(proxy: ProxyServer) -> None:
     assert float(timing.removeprefix("fit;dur=")) == pytest.approx(data["report"]["seconds"] * 1000, abs=0.001)
     assert data["call"]["attempts"] == 1
     assert data["call"]["server_prompt_tokens"] == data["prompt_tokens"]
-    listed = httpx2.get(f"{proxy.url}/contextkeeper/conversations", timeout=10).json()
+    listed = debug(proxy.url).json()
     assert "debug-1" in listed["conversations"]
-    unknown = httpx2.get(f"{proxy.url}/contextkeeper/conversations/nobody", timeout=10)
+    unknown = debug(proxy.url, "nobody")
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "unknown_conversation"
 
@@ -417,9 +417,9 @@ def test_conversation_identity_from_each_source(
     assert conversation(later) == derived  # the same chat, turn after turn
     other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Another chat"}]
     assert conversation(other) != derived
-    assert {"from-header", "user-7", "cache-3", derived} <= set(keeper.sessions())
+    assert {f"{tenant()}/{name}" for name in ("from-header", "user-7", "cache-3", derived)} <= set(keeper.sessions())
     sources = {
-        name: httpx2.get(f"{proxy.url}/contextkeeper/conversations/{name}", timeout=10).json()["conversation_source"]
+        name: debug(proxy.url, name).json()["conversation_source"]
         for name in ("from-header", "user-7", "cache-3", derived)
     }
     assert sources == {"from-header": "header", "user-7": "user", "cache-3": "prompt_cache_key", derived: "derived"}
@@ -505,7 +505,7 @@ context_window = {CONTEXT}
                 model=model, messages=long_history(20), max_tokens=ANSWER, extra_headers={"X-Conversation-Id": model}
             )
             assert int(raw.headers["x-contextkeeper-prompt-tokens"]) == upstream.requests[-1].prompt_tokens
-            seen = httpx2.get(f"{server.url}/contextkeeper/conversations/{model}", timeout=10).json()
+            seen = debug(server.url, model).json()
             limits[model] = (seen["route"], seen["report"]["limit"])
     finally:
         server.close()

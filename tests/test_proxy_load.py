@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +29,9 @@ from assets import require_assets, tokenizer_dir
 from conftest import hf_tokenizer
 from contextkeeper.redis_ledger import RedisLedger
 from engines import RedisServer
+from hostile_clients import hostile_run
 from openai_server import ChatServer, RequestRecord
-from proxy_helpers import LoadRun, Samples, percentile, run_load, scrape, serve_processes, total, write_config
+from proxy_helpers import LoadRun, Sampler, Samples, percentile, run_load, scrape, serve_processes, total, write_config
 
 CONTEXT = 1024
 ANSWER = 64
@@ -46,33 +45,6 @@ PROBE = "models[0] (match 'probe*')"
 def tokenizer() -> Any:
     require_assets()
     return hf_tokenizer("qwen2")
-
-
-class Sampler:
-    """Reads a figure every ``interval`` seconds on a thread while the load runs; keeps every reading."""
-
-    def __init__(self, read: Callable[[], float], interval: float) -> None:
-        self.read = read
-        self.interval = interval
-        self.values: list[float] = []
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.values.append(self.read())
-            except Exception as exc:  # reported by the test, not lost on the thread
-                self.failures.append(f"{type(exc).__name__}: {exc}")
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 def settled(url: str, requests: dict[str, int], seconds: float = 15.0) -> Samples:
@@ -241,3 +213,47 @@ def test_two_proxies_share_one_redis_ledger(tokenizer: Any, tmp_path: Path, caps
     assert all(total(s, "contextkeeper_kv_peak_tokens", entry=LOAD) == pool_state["peak"] for s in per_proxy)
 
     assert run.errors == []
+
+
+# ------------------------------------------------------------------------------------- hostile clients
+
+
+HOSTILE_CHATS = 40
+HOSTILE_SECONDS = 20.0
+
+
+def test_hostile_clients_beside_honest_ones(tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    calm_dir, hostile_dir = tmp_path / "calm", tmp_path / "hostile"
+    calm_dir.mkdir()
+    hostile_dir.mkdir()
+    calm = hostile_run(tokenizer, calm_dir, hostile=False, seconds=HOSTILE_SECONDS, chats=HOSTILE_CHATS)
+    rough = hostile_run(tokenizer, hostile_dir, hostile=True, seconds=HOSTILE_SECONDS, chats=HOSTILE_CHATS)
+    calm_p99 = percentile(calm["run"].added_ms(), 0.99)
+    rough_p99 = percentile(rough["run"].added_ms(), 0.99)
+    with capsys.disabled():
+        print(
+            f"\nhonest alone: {figures(calm['run'])}; RSS max {max(calm['rss']):.0f} MB"
+            f"\nbeside hostile clients: {figures(rough['run'])}; RSS max {max(rough['rss']):.0f} MB; "
+            f"hostile answers {dict(rough['hostile'].answers)}; p99 added {rough_p99:.1f} vs {calm_p99:.1f} ms"
+        )
+    for outcome in (calm, rough):
+        run = outcome["run"]
+        assert run.errors == []
+        assert run.requests > HOSTILE_CHATS
+        assert outcome["active"].failures == []
+        assert 0 < max(outcome["active"].values) <= CAPACITY  # capacity never exceeded
+        assert outcome["kept"] == outcome["replies"]  # every acknowledged reply is in the transcript
+    bad = rough["hostile"]
+    assert set(bad.of("oversized")) <= {"413"}
+    assert bad.of("oversized").get("413", 0) > 10
+    assert set(bad.of("slow")) <= {"408", "reset"}  # answered within the head deadline, never served
+    assert bad.of("slow").get("408", 0) >= 40
+    assert set(bad.of("flood")) == {"200"}
+    assert bad.of("abandoned").get("left", 0) > 10
+    assert set(bad.of("bulky")) == {"200"}
+    # Memory stays bounded: the flood of conversations and the bulky bodies do not pile up.
+    assert max(rough["rss"]) < max(calm["rss"]) + 600
+    second_half = rough["rss"][len(rough["rss"]) // 2 :]
+    assert max(second_half) - min(second_half) < 300
+    # The honest clients barely notice.
+    assert rough_p99 <= 2 * max(calm_p99, 10.0)

@@ -242,7 +242,7 @@ def test_a_failover_is_followed(pool: str) -> None:
         stopped, refused, admitted = time.monotonic(), 0, None
         while time.monotonic() - stopped < 20 and admitted is None:
             try:
-                with ledger.admit(100, timeout=1) as ticket:
+                with ledger.admit(100, timeout=5) as ticket:  # (a promoted replica settles first: 2.5 s)
                     admitted = ticket
             except LedgerUnavailable:
                 refused += 1

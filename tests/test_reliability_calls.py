@@ -227,11 +227,14 @@ def test_a_call_whose_fit_fails_is_recorded(tokenizer: Any) -> None:
     assert sent == []  # nothing was sent
     entry = keeper.transcript.last()
     assert entry is not None
-    assert entry.status == "failed"
+    # The refusal is recorded, not its payload: the caller still holds its messages, and a request too large for
+    # the context must not stay in the transcript (nor grow it at every retry).
+    assert entry.status == "refused"
     assert entry.error.startswith("RequestTooLarge")
-    assert entry.inputs == tuple(messages)
+    assert entry.inputs == ()
+    assert entry.report["refused"]["messages"] == 2
     assert entry.sent == ()
-    assert keeper.transcript.history() == messages
+    assert keeper.transcript.history() == []
     assert keeper.last_call.error.startswith("RequestTooLarge")
 
 
@@ -326,7 +329,7 @@ def test_a_refusal_that_overstates_the_prompt_heals(tokenizer: Any) -> None:
         assert len(entries) == 12
         assert all(e.status == "ok" for e in entries)
         assert reports[0].attempts == 2
-        assert "bounded to 1,024 (half the server's limit)" in reports[0].recoveries[0]
+        assert "later calls keep at most 512 of it (25% of the limit)" in reports[0].recoveries[0]
         assert "sent without them once, to check them" in reports[0].recoveries[1]
         assert all(r.withheld == 0 and r.attempts == 1 for r in reports[1:])  # healed by the first reply's usage
         assert reports[-1].drift == 0

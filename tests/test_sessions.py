@@ -199,3 +199,44 @@ def test_a_custom_counter_needs_only_count_and_opts_into_each_ability(counter: c
         # Snippets: the counter's own method, or two prompt counts when it has none.
         assert session.text_tokens("مرحبا") == counter.text_tokens("مرحبا")
     assert Able.forks == 2  # the conversation's counter and its side counter
+
+
+@pytest.mark.parametrize("where", ["request", "system"])
+def test_a_refused_fit_leaves_nothing_of_its_inputs_in_the_session(
+    counter: ck.HFChatTemplateCounter, where: str
+) -> None:
+    # A proxy keeps up to `conversations` sessions; each must not keep its last refused (oversize) request alive
+    # until its next fit. The shared memo budget (its own bound) is made small so that only what the session and
+    # its counters hold is measured.
+    import gc
+    import tracemalloc
+
+    from contextkeeper._memo import cache_bytes, set_cache_bytes
+
+    keeper = make(counter)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    keeper.fit(chat, max_tokens=64, conversation="big")
+    budget = cache_bytes()
+    set_cache_bytes(2**20)
+    try:
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        huge = "word " * 1_000_000  # 5 MB, far over the 1,500-token window
+        refused = [
+            {"role": "system", "content": huge if where == "system" else "Be brief."},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": huge if where == "request" else "and now?"},
+        ]
+        with pytest.raises(ck.RequestTooLarge):
+            keeper.fit(refused, max_tokens=64, conversation="big")
+        del refused, huge
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+    finally:
+        set_cache_bytes(budget)
+    assert kept < 3 * 2**20  # the memo's 1 MiB and change, not the 5 MB input nor its render
+    # The conversation goes on as before.
+    assert keeper.fit([*chat, {"role": "assistant", "content": "hi"}], max_tokens=64, conversation="big").tokens > 0

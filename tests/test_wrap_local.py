@@ -196,7 +196,7 @@ def test_too_large_names_the_argument_that_set_the_answer(tiny: tuple[Any, Any])
     chat = keeper.wrap(model, tokenizer=tokenizer)
     with pytest.raises(ck.RequestTooLarge, match="Fix: lower max_new_tokens,"):
         chat(grow(2), max_new_tokens=600)
-    assert keeper.transcript.last().status == "failed"
+    assert keeper.transcript.last().status == "refused"  # recorded, its payload not kept
 
 
 def test_pipeline_shape(tiny: tuple[Any, Any]) -> None:

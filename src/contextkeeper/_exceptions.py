@@ -13,6 +13,7 @@ ContextKeeperError
 │   ├── PolicyError                a policy file with an unknown key or value, a file that is no policy
 │   └── ProxyConfigError           a proxy config file with an unknown key, a bad value or an unbuildable entry
 ├── RequestTooLarge                the never-trimmed parts and the answer exceed the limit that binds (.needed, .limit)
+├── RequestRejected                refused before it is fitted: over an input limit, not JSON (.status, .code, .param)
 ├── InvariantViolation             a fit broke one of its guarantees (a bug in a strategy): refused, not returned
 ├── AdmissionTimeout               a call waited admission_timeout for KV room in the ledger (ledger.py: its wording)
 ├── ExceedsCapacity                one call needs more KV tokens than the whole capacity (ledger.py: its wording)
@@ -57,6 +58,7 @@ __all__ = [
     "OutOfMemory",
     "PolicyError",
     "ProviderError",
+    "RequestRejected",
     "RequestTooLarge",
     "StreamInterrupted",
     "TemplateLimitExceeded",
@@ -140,6 +142,23 @@ class RequestTooLarge(ContextKeeperError, ValueError):
         self.withheld = withheld
         self.fix = fix
         super().__init__(message)
+
+
+class RequestRejected(ContextKeeperError, ValueError):
+    """A request refused before it is fitted: larger than an input limit (body bytes, messages, characters of a
+    message, tool schemas), not JSON, nested too deep, text that is no Unicode, a field of the wrong type.
+
+    ``status`` is the HTTP status a server answers with (400, 413, 415, ...), ``code`` the machine-readable reason
+    (``body_too_large``, ``invalid_json``, ...) and ``param`` the field it concerns, when one does."""
+
+    def __init__(
+        self, message: str, *, status: int = 400, code: str, param: str | None = None, fix: str | None = None
+    ) -> None:
+        self.status = status
+        self.code = code
+        self.param = param
+        self.fix = fix
+        super().__init__(message if fix is None or "Fix:" in message else f"{message.rstrip('.')}. Fix: {fix}")
 
 
 class InvariantViolation(ContextKeeperError, AssertionError):

@@ -221,6 +221,8 @@ def _serve(args: argparse.Namespace) -> int:
         "upstream": args.upstream,
         "api_key": args.api_key or os.environ.get("CONTEXTKEEPER_PROXY_API_KEY") or None,
         "upstream_api_key": args.upstream_api_key or os.environ.get("CONTEXTKEEPER_UPSTREAM_API_KEY") or None,
+        "admin_key": args.admin_key or os.environ.get("CONTEXTKEEPER_ADMIN_KEY") or None,
+        "allow_unauthenticated": True if args.allow_unauthenticated else None,
         "attempts": args.attempts,
     }
     if args.config:
@@ -252,17 +254,19 @@ def _serve(args: argparse.Namespace) -> int:
             kv_capacity=args.kv_capacity,
             **top,
         )
-    proxy = Proxy.from_config(config)
-    server = ProxyServer(proxy, host=args.host, port=args.port, log_level=args.log_level)
+    proxy = Proxy.from_config(config, host=args.host)
+    server = ProxyServer(proxy, host=args.host, port=args.port, log_level=args.log_level, limits=config.server_limits())
 
     def ready(running: ProxyServer) -> None:
         entries = [route.name for route in proxy.routes]
         if args.json:
-            print(json.dumps({"listening": running.base_url, "upstream": proxy.base, "models": entries}), flush=True)
+            listening = {"listening": running.base_url, "upstream": proxy.upstream, "models": entries}
+            print(json.dumps(listening), flush=True)
         else:
             count = f"{len(entries)} model entr{'y' if len(entries) == 1 else 'ies'}"
             print(
-                f"contextkeeper serve: listening on {running.base_url} -> {proxy.base} ({count}: {'; '.join(entries)})",
+                f"contextkeeper serve: listening on {running.base_url} -> {proxy.upstream} "
+                f"({count}: {'; '.join(entries)})",
                 flush=True,
             )
 
@@ -656,7 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
         "an OpenAI-compatible proxy that fits every chat request",
         "Listens for /v1/chat/completions (streams included), fits each request with its own tools and "
         "max_tokens, admits it against the KV capacity and forwards it to --upstream, recovering refusals for "
-        "length and retrying transport errors; every other path is forwarded unchanged. Model entries come from "
+        "length and retrying transport errors; the other OpenAI-compatible client routes are forwarded unchanged. "
+        "Model entries come from "
         "--config (a TOML file of [[models]]) or from --tokenizer and --context-window (one entry for every model). "
         "See docs/proxy.md.",
     )
@@ -677,6 +682,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--upstream-api-key", help="the key sent upstream with --api-key; default $CONTEXTKEEPER_UPSTREAM_API_KEY"
+    )
+    serve.add_argument(
+        "--admin-key", help="reads every tenant's debug views and the metrics; default $CONTEXTKEEPER_ADMIN_KEY"
+    )
+    serve.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="listen beyond loopback without a proxy key (something in front authenticates)",
     )
     serve.add_argument("--attempts", type=int, help="calls per chat request, the first included (default: 4)")
     serve.add_argument(

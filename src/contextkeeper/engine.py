@@ -337,6 +337,9 @@ def fit(setup: Setup, session: Session, ask: Ask) -> Fit:
             per_token = wider
             draft = read(setup, session, ask, per_token)
         made = finish(setup, session, ask, draft)
+    except BaseException:
+        session.forget_inputs()  # a refused request's messages are not kept alive by this conversation
+        raise
     finally:
         # Every fit is a turn, failed or not: per-turn budgets (the summarizer's calls) start afresh.
         session.turn += 1

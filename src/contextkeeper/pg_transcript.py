@@ -20,11 +20,19 @@ trie of message lists, write-ahead calls) over these tables:
 "Pending" vs "interrupted" is decided by the database, not by a pid on one host: a call is owned by the writer's
 database session (``pg_backend_pid()`` and its ``backend_start``), and reads "pending" while that session is in
 ``pg_stat_activity``. A SIGKILLed process's connection closes with it, so its calls read "interrupted" from any
-replica; a host that vanishes is noticed by the server's TCP keepalives (set per session, about 30 s).
+replica; a host that vanishes is noticed by the server's TCP keepalives (set per session, about 30 s). A session
+that a restart of the server ended is given ``restart_grace`` seconds (from the server's start) to come back:
+meanwhile its calls read "pending", since its process is most likely alive and reconnecting.
 
 A database that cannot be reached (at open, restarted, the network cut) is a :class:`TranscriptUnavailable`
 naming the URL without its password; the next use connects again, and calls this process began on the lost
-session are owned by the new one.
+session are owned by the new one (a background thread notices a lost session while calls are in flight, and
+reconnects). Nothing acknowledged is lost meanwhile: the end of a call (``end(..., wait=False)``, what wrapped
+calls send) and a refusal that cannot be written are kept in an *outbox* and sent after reconnecting, oldest first
+and before any later write of this process; reads wait for it too, so this process reads what it wrote.
+:meth:`PostgresTranscript.flush` and ``close()`` wait for it, bounded. The outbox holds at most ``outbox`` writes
+and ``outbox_bytes`` bytes: past that an end is dropped with an error in the log, and its call is closed as
+failed (saying so) once the database is back, so it never reads "interrupted" while its process lives.
 """
 
 from __future__ import annotations
@@ -35,14 +43,16 @@ import math
 import os
 import re
 import select
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ._exceptions import ConfigurationError, ContextKeeperError, TranscriptUnavailable, UnknownCall
-from .transcript import Transcript, _content, _Row, safe_url
+from .transcript import Transcript, _content, _Gone, _Row, safe_url
 
 if TYPE_CHECKING:
     import psycopg
@@ -101,6 +111,21 @@ MIGRATIONS: tuple[Migration, ...] = (
         name="a prompt that is the inputs without the dropped ones is not stored again: sent is NULL",
         statements=("ALTER TABLE {schema}.calls ALTER COLUMN sent DROP NOT NULL",),
     ),
+    Migration(
+        version=4,
+        name="refusals: a call refused before it was sent keeps its sizes, not its inputs; the indexes tell whether "
+        "anything else uses a message or a node it stored (a table already large is indexed once, here)",
+        statements=(
+            "ALTER TABLE {schema}.calls DROP CONSTRAINT IF EXISTS calls_state_check",
+            "ALTER TABLE {schema}.calls ADD CONSTRAINT calls_state_check CHECK (state IN ('begun', 'done', 'refused'))",
+            "CREATE INDEX nodes_by_parent ON {schema}.nodes (parent)",
+            "CREATE INDEX nodes_by_blob ON {schema}.nodes (blob)",
+            "CREATE INDEX calls_by_inputs ON {schema}.calls (inputs)",
+            "CREATE INDEX calls_by_sent ON {schema}.calls (sent) WHERE sent IS NOT NULL",
+            "CREATE INDEX calls_by_tools ON {schema}.calls (tools) WHERE tools IS NOT NULL",
+            "CREATE INDEX calls_by_received ON {schema}.calls (received) WHERE received IS NOT NULL",
+        ),
+    ),
 )
 _LATEST = MIGRATIONS[-1].version
 assert [m.version for m in MIGRATIONS] == list(range(1, _LATEST + 1)), "migrations are numbered 1, 2, ..."
@@ -114,16 +139,34 @@ _CLIENT_KEEPALIVE = {"keepalives": "1", "keepalives_idle": "15", "keepalives_int
 
 _NODE = b"ck.trie.node"  # blake2b personalisation: a node's hash never equals a blob's
 
+# The outbox and the thread that looks after it (seconds, counts).
+_DOWN_SECONDS = 1.0  # after a refused connection, writes sent behind go straight to the outbox this long
+_WATCH_SECONDS = 0.5  # how often a session with calls in flight is looked at
+_NEXT_CHUNK_SECONDS = 0.002  # the pause between chunks of the outbox (other threads take the lock)
+_RETRY_SECONDS, _RETRY_MAX_SECONDS = 0.05, 1.0  # connecting again: the first wait, doubled up to the last
+_CHUNK = 64  # outbox writes sent per hold of the lock by the thread
+_TEND_PASSES = 500_000  # the thread's passes before it leaves (a later call starts it again)
+_TRIES = 5  # an outbox write whose statement did not complete on a live session is tried this often
+_DROPPED_LIMIT = 100_000  # calls whose end the full outbox dropped, remembered to be closed as failed
+_FULL_WARNING_SECONDS = 10.0
+_CLOSE_SECONDS = 10.0  # the longest close() waits for the outbox
+_ORPHANED = "TranscriptUnavailable: this call's inputs were written but the answer was lost, so it was not sent"
+_DROPPED = "TranscriptUnavailable: the end of this call was not recorded"
+
 _COLUMNS = (
     "call, conversation, time, inputs, sent, tools, received, dropped, rewritten, report, usage, error, attempts, "
     "state, owner"
 )
+# A row that is already there is locked, not written (DO UPDATE ... WHERE false locks every conflicting row and
+# updates none): a refusal deleting what nothing uses skips rows locked so (SKIP LOCKED), since the write holding
+# the lock is about to use them, and a write that meets a row a refusal locked waits, then stores it again.
 _UPSERT = """
 WITH b AS (
-    INSERT INTO {schema}.blobs (id, json) SELECT * FROM unnest(%s::uuid[], %s::text[]) ON CONFLICT (id) DO NOTHING
+    INSERT INTO {schema}.blobs (id, json) SELECT * FROM unnest(%s::uuid[], %s::text[])
+    ON CONFLICT (id) DO UPDATE SET id = excluded.id WHERE false
 ), n AS (
     INSERT INTO {schema}.nodes (id, parent, blob) SELECT * FROM unnest(%s::uuid[], %s::uuid[], %s::uuid[])
-    ON CONFLICT (id) DO NOTHING
+    ON CONFLICT (id) DO UPDATE SET id = excluded.id WHERE false
 )
 """
 _STATEMENTS = {
@@ -150,6 +193,39 @@ RETURNING call""",
     "texts": "SELECT id, json FROM {schema}.blobs WHERE id = ANY(%s::uuid[])",
     "count": "SELECT count(*) FROM {schema}.calls",
     "reown": "UPDATE {schema}.calls SET owner = %s WHERE call = ANY(%s::bigint[]) AND state = 'begun'",
+    # Calls this process began whose insert's answer a lost session took (the caller got the error, so nothing was
+    # sent): closed as failed, found by what the insert wrote.
+    "orphans": """UPDATE {schema}.calls c SET state = 'done', error = %s
+    FROM unnest(%s::text[], %s::float8[], %s::text[]) AS o (conversation, time, owner)
+    WHERE c.conversation = o.conversation AND c.time = o.time AND c.owner = o.owner AND c.state = 'begun'""",
+    "dropped": "UPDATE {schema}.calls SET state = 'done', error = %s WHERE call = ANY(%s::bigint[]) "
+    "AND state = 'begun'",
+    "boot": "SELECT (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint, "
+    "extract(epoch FROM clock_timestamp() - pg_postmaster_start_time())::float8",
+    # A refusal, in one transaction: the row (locked), replaced; the chain of its inputs; those of them not locked
+    # by a write in progress; of those, the ones something else uses (read after the locks are held, so every
+    # write that could use them has committed or waits); then the deletes.
+    "refused_row": "SELECT inputs, sent, tools, received, state FROM {schema}.calls WHERE call = %s FOR UPDATE",
+    "refuse": """UPDATE {schema}.calls SET inputs = %s, sent = NULL, tools = NULL, received = NULL, dropped = %s,
+    rewritten = %s, report = %s, usage = NULL, error = %s, attempts = 0, state = 'refused', owner = NULL
+    WHERE call = %s""",
+    "chain": """WITH RECURSIVE chain (id, parent, blob, depth) AS (
+    SELECT id, parent, blob, 0 FROM {schema}.nodes WHERE id = %s
+    UNION ALL
+    SELECT n.id, n.parent, n.blob, c.depth + 1 FROM {schema}.nodes n JOIN chain c ON n.id = c.parent
+) SELECT id, parent, blob FROM chain ORDER BY depth""",
+    "lock_nodes": "SELECT id FROM {schema}.nodes WHERE id = ANY(%s::uuid[]) ORDER BY id FOR UPDATE SKIP LOCKED",
+    "used_nodes": """SELECT c.id FROM unnest(%s::uuid[]) AS c (id)
+    WHERE EXISTS (SELECT 1 FROM {schema}.nodes n WHERE n.parent = c.id AND n.id <> ALL(%s::uuid[]))
+    OR EXISTS (SELECT 1 FROM {schema}.calls k WHERE k.inputs = c.id)
+    OR EXISTS (SELECT 1 FROM {schema}.calls k WHERE k.sent = c.id)""",
+    "delete_nodes": "DELETE FROM {schema}.nodes WHERE id = ANY(%s::uuid[])",
+    "lock_blobs": "SELECT id FROM {schema}.blobs WHERE id = ANY(%s::uuid[]) ORDER BY id FOR UPDATE SKIP LOCKED",
+    "delete_blobs": """DELETE FROM {schema}.blobs b WHERE b.id = ANY(%s::uuid[])
+    AND NOT EXISTS (SELECT 1 FROM {schema}.nodes n WHERE n.blob = b.id)
+    AND NOT EXISTS (SELECT 1 FROM {schema}.calls k WHERE k.tools = b.id)
+    AND NOT EXISTS (SELECT 1 FROM {schema}.calls k WHERE k.received = b.id)
+RETURNING b.id""",
     "version": "SELECT value FROM {schema}.meta WHERE key = 'version'",
     "set_version": "INSERT INTO {schema}.meta (key, value) VALUES ('version', %s) "
     "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -163,6 +239,10 @@ _STATEMENTS.update(
         "select_last_of": f"SELECT {_COLUMNS} FROM {{schema}}.calls WHERE conversation = %s ORDER BY call DESC LIMIT 1",
         "select_all": f"SELECT {_COLUMNS} FROM {{schema}}.calls ORDER BY call",
         "select_last": f"SELECT {_COLUMNS} FROM {{schema}}.calls ORDER BY call DESC LIMIT 1",
+        "select_kept_last_of": f"SELECT {_COLUMNS} FROM {{schema}}.calls WHERE conversation = %s "
+        "AND state <> 'refused' ORDER BY call DESC LIMIT 1",
+        "select_kept_last": f"SELECT {_COLUMNS} FROM {{schema}}.calls WHERE state <> 'refused' "
+        "ORDER BY call DESC LIMIT 1",
     }
 )
 # The writer's session, as stored with the calls it begins, and the settings every session gets.
@@ -258,12 +338,24 @@ class PostgresTranscript(Transcript):
     False takes the reference path through psycopg's adapters (the tests hold the two equal). The fast path also
     sends ``end(..., wait=False)`` without waiting for its commit (the reference waits): the next use of the
     session reads its result first.
+
+    ``outbox`` and ``outbox_bytes`` bound the writes kept while the database cannot be reached (see the module's
+    docstring); ``restart_grace`` (seconds) is how long after a restart of the server the calls of sessions it
+    ended read "pending" rather than "interrupted".
     """
 
     fast_writes = True
 
     def __init__(
-        self, url: str, *, schema: str = "contextkeeper", connect_timeout: float = 5.0, statement_timeout: float = 30.0
+        self,
+        url: str,
+        *,
+        schema: str = "contextkeeper",
+        connect_timeout: float = 5.0,
+        statement_timeout: float = 30.0,
+        outbox: int = 10_000,
+        outbox_bytes: int = 64 * 1024 * 1024,
+        restart_grace: float = 30.0,
     ) -> None:
         super().__init__()
         self.check_url(url)
@@ -272,9 +364,16 @@ class PostgresTranscript(Transcript):
                 f"schema={schema!r} is not a Postgres schema name. Fix: pass a name of 1 to 63 bytes, e.g. "
                 "schema='contextkeeper'"
             )
-        for name, value in (("connect_timeout", connect_timeout), ("statement_timeout", statement_timeout)):
+        for name, value in (
+            ("connect_timeout", connect_timeout),
+            ("statement_timeout", statement_timeout),
+            ("restart_grace", restart_grace),
+        ):
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name, count in (("outbox", outbox), ("outbox_bytes", outbox_bytes)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ConfigurationError(f"{name} must be a positive whole number, got {count!r}")
         import psycopg
 
         self.url, self.schema = url, schema
@@ -304,6 +403,16 @@ class PostgresTranscript(Transcript):
         self._new_blobs: dict[int, str] = {}
         self._new_nodes: dict[int, tuple[int, int]] = {}
         self._dirty = False  # ids were handed out (or a statement sent) since the last write ended
+        # Writes that could not be sent or committed (the session was lost), oldest first: sent before anything else
+        # once a session is back. Bounded by count and bytes; what does not fit is dropped (and closed as failed).
+        self.outbox_limit, self.outbox_bytes, self.restart_grace = outbox, outbox_bytes, float(restart_grace)
+        self._outbox: deque[_Pending] = deque()
+        self._outbox_size = 0
+        self._orphans: list[tuple[str, float, str]] = []  # begins whose answer a lost session took: (conv, time, owner)
+        self._dropped: list[int] = []  # calls whose end did not fit in the outbox
+        self._full_warned = -math.inf  # monotonic: when the outbox last said it was full
+        self._failed_at = -math.inf  # monotonic: when a connection was last refused
+        self._thread: threading.Thread | None = None  # the outbox's (see _tend)
         with self._lock:
             self._migrate(self._connection())
 
@@ -337,6 +446,15 @@ class PostgresTranscript(Transcript):
         return f"PostgresTranscript({self._safe!r}, schema={self.schema!r})"
 
     # ---------------------------------------------------------------------------------------- connection
+    def _failed(self, db: psycopg.Connection[tuple[Any, ...]], error: BaseException) -> TranscriptUnavailable:
+        """The error for a statement that failed on ``db``; a session the failure ended is closed and forgotten (the
+        next write connects again)."""
+        lost = db.broken or db.closed
+        if lost:
+            db.close()
+            self._db = None
+        return self._unavailable(error, lost)
+
     def _unavailable(self, error: BaseException, lost: bool = True) -> TranscriptUnavailable:
         what = "cannot be reached" if lost else "did not complete a statement"
         failure = TranscriptUnavailable(
@@ -348,41 +466,220 @@ class PostgresTranscript(Transcript):
         failure.fix = "start Postgres at the transcript URL, or correct transcript=..."
         return failure
 
-    def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
+    def _open(self) -> psycopg.Connection[tuple[Any, ...]]:
+        """A new connection, not yet this transcript's session (it may take connect_timeout: the outbox's thread
+        opens one without holding the lock)."""
         import psycopg
 
         try:
-            db = psycopg.connect(self._conninfo, autocommit=True)
+            return psycopg.connect(self._conninfo, autocommit=True)
         except psycopg.OperationalError as error:
             raise self._unavailable(error) from None  # (the chained error would print the libpq text as is)
+
+    def _connect(self, db: psycopg.Connection[tuple[Any, ...]] | None = None) -> psycopg.Connection[tuple[Any, ...]]:
+        """``db`` (default: a new connection) made this transcript's session: set up, and carrying on the calls
+        this process is making (the caller holds the lock)."""
+        import psycopg
+
+        if db is None:
+            db = self._open()
         try:
             found = db.execute(_SESSION, self._settings).fetchone()
             assert found is not None
             self._owner = f"pg/{found[0]}/{found[1]}"
             self._prepared = set()  # a new session has none of our statements
-            if self._begun:  # calls this process is still making: the new session carries them on
-                db.execute(self._sql["reown"], (self._owner, list(self._begun)))
+            # Calls this process is still making, and those whose end or refusal waits in the outbox: the new
+            # session carries them on (so they never read interrupted while this process lives).
+            calls = [*self._begun, *(item.call for item in self._outbox)]
+            if calls:
+                db.execute(self._sql["reown"], (self._owner, calls))
+            self._sweep(db)
         except psycopg.OperationalError as error:
             db.close()
             raise self._unavailable(error) from None
         return db
 
-    def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
+    def _connection(self, *, drain: bool = True) -> psycopg.Connection[tuple[Any, ...]]:
+        """The session, connected again if it was lost; with ``drain``, the outbox sent first (a write or read of
+        this process comes after every write it made before)."""
         if self._closed:
             raise ContextKeeperError(f"the transcript {self._safe} is closed")
         if self._pid != os.getpid():
             # A forked child: the connection is the parent's (psycopg leaves it open for the parent), and so are
-            # the calls it began.
+            # the calls it began and the writes its outbox holds.
             self._db, self._pid, self._in_flight = None, os.getpid(), None
             self._begun.clear()
+            self._outbox.clear()
+            self._outbox_size = 0
+            self._orphans.clear()
+            self._dropped.clear()
+            self._thread = None
         self._settle()
         db = self._db
         if db is not None and (db.broken or db.closed or _gone(db)):
             db.close()
             self._db = db = None
         if db is None:
-            db = self._db = self._connect()
+            try:
+                db = self._db = self._connect()
+            except TranscriptUnavailable:
+                self._failed_at = time.monotonic()
+                self._wake()
+                raise
+        if drain and (self._outbox or self._orphans or self._dropped):
+            self._drain(db)
         return db
+
+    def _recently_down(self) -> bool:
+        """Whether the latest attempt to connect failed a moment ago: a write sent behind then goes to the outbox
+        at once rather than waiting for another attempt (which may take connect_timeout)."""
+        return self._db is None and time.monotonic() - self._failed_at < _DOWN_SECONDS
+
+    # ---------------------------------------------------------------------------------------- the outbox
+    def _queue(self, item: _Pending, *, front: bool = False) -> None:
+        """Keep ``item`` (a write that could not be sent or committed) for the next session; ``front``: it was sent
+        before anything the outbox holds. Past the outbox's bounds it is dropped, loudly."""
+        # The caches may name rows that only a write now waiting stores: forget them, so that every later write
+        # carries each row it names (it is sent after, or instead of, the writes it would have relied on).
+        self._forget()
+        full = len(self._outbox) >= self.outbox_limit or self._outbox_size + item.size > self.outbox_bytes
+        if full and not front:
+            if len(self._dropped) < _DROPPED_LIMIT:
+                self._dropped.append(item.call)
+            now = time.monotonic()
+            if now - self._full_warned >= _FULL_WARNING_SECONDS:
+                self._full_warned = now
+                log.error(
+                    "the transcript outbox is full (%d writes, %s bytes) while the database at %s cannot be reached: "
+                    "the %s of call %s is not recorded, and the call will read failed once the database is back "
+                    "(said at most every %.0f s). Fix: bring the database back, or raise the transcript's "
+                    "outbox=/outbox_bytes=",
+                    len(self._outbox),
+                    f"{self._outbox_size:,}",
+                    self._safe,
+                    "end" if item.kind == "update" else "refusal",
+                    item.call,
+                    _FULL_WARNING_SECONDS,
+                )
+        else:
+            if front:
+                self._outbox.appendleft(item)
+            else:
+                self._outbox.append(item)
+            self._outbox_size += item.size
+        self._wake()
+
+    def _drain(self, db: psycopg.Connection[tuple[Any, ...]], limit: int | None = None) -> None:
+        """Send the outbox's writes on ``db``, oldest first (at most ``limit``); once it is empty, close the calls
+        that will never end (:meth:`_sweep`). A lost session raises :class:`TranscriptUnavailable` and leaves the
+        rest for the next one; a write the database refuses as such is dropped, with a warning."""
+        import psycopg
+
+        sent = 0
+        while self._outbox and (limit is None or sent < limit):  # bounded by the outbox's length
+            item = self._outbox[0]
+            try:
+                if item.kind == "update":
+                    assert item.values is not None
+                    if self._write_row("update", item.values, db) is None:
+                        raise UnknownCall(f"the transcript {self._safe} holds no call {item.call}")
+                else:
+                    assert item.row is not None
+                    self._uncache(self._discard_now(db, item.row))
+            except TranscriptUnavailable as error:
+                if self._db is not db:
+                    raise  # the session is lost: the rest waits for the next one
+                item.tries += 1  # the statement did not complete (a timeout): a few more tries
+                if item.tries < _TRIES:
+                    raise
+                log.error(
+                    "gave up the %s of call %s in the transcript %s after %d tries: %s",
+                    "end" if item.kind == "update" else "refusal",
+                    item.call,
+                    self._safe,
+                    item.tries,
+                    _clean(str(error), self._secret),
+                )
+            except (ContextKeeperError, psycopg.Error) as error:  # refused as such: sending it again cannot help
+                log.warning(
+                    "could not complete call %s in the transcript %s (it reads interrupted once this process ends): %s",
+                    item.call,
+                    self._safe,
+                    _clean(str(error), self._secret),
+                )
+            self._outbox.popleft()
+            self._outbox_size -= item.size
+            sent += 1
+        if not self._outbox:
+            try:
+                self._sweep(db)
+            except psycopg.OperationalError as error:
+                raise self._failed(db, error) from None
+
+    def _sweep(self, db: psycopg.Connection[tuple[Any, ...]]) -> None:
+        """Close as failed (saying why) the calls this process began that will never end: begins whose answer a
+        lost session took (their caller got the error, nothing was sent), ends the outbox could not hold."""
+        if self._orphans:
+            conversations, times, owners = zip(*self._orphans, strict=True)
+            error = f"{_ORPHANED} (the transcript database at {self._safe} was lost while they were written)"
+            db.execute(self._sql["orphans"], (error, list(conversations), list(times), list(owners)))
+            self._orphans.clear()
+        if self._dropped:
+            error = f"{_DROPPED} (the database at {self._safe} could not be reached and the outbox was full)"
+            db.execute(self._sql["dropped"], (error, self._dropped))
+            self._dropped.clear()
+
+    def _wake(self) -> None:
+        """Start the thread that looks after the session while there is anything to look after (see :meth:`_tend`);
+        the caller holds the lock."""
+        if self._closed or self._pid != os.getpid() or (self._thread is not None and self._thread.is_alive()):
+            return
+        if not (self._outbox or self._begun or self._orphans or self._dropped):
+            return
+        self._thread = threading.Thread(target=self._tend, name="contextkeeper-transcript", daemon=True)
+        self._thread.start()
+
+    def _tend(self) -> None:
+        """While calls are in flight or writes wait in the outbox: notice a lost session (a restart ends it with a
+        message, a dead server closes it) without waiting for the next call, connect again (re-owning the calls in
+        flight), and send the outbox a chunk per hold of the lock, so other threads' calls go on in between."""
+        delay = _RETRY_SECONDS
+        for _ in range(_TEND_PASSES):  # bounded; a later call starts it again
+            time.sleep(delay)
+            with self._lock:
+                if self._closed or self._pid != os.getpid() or self._thread is not threading.current_thread():
+                    return
+                if not (self._outbox or self._begun or self._orphans or self._dropped):
+                    self._thread = None
+                    return
+                db = self._db
+                if db is not None and self._in_flight is None and (db.broken or db.closed or _gone(db)):
+                    db.close()
+                    self._db = db = None
+            opened = None
+            if db is None:  # connected outside the lock: other threads' calls are not held up meanwhile
+                try:
+                    opened = self._open()
+                except TranscriptUnavailable:
+                    with self._lock:
+                        self._failed_at = time.monotonic()
+                    delay = min(max(2 * delay, _RETRY_SECONDS), _RETRY_MAX_SECONDS)
+                    continue
+            with self._lock:
+                try:
+                    if opened is not None:
+                        if self._closed or self._pid != os.getpid() or self._db is not None:
+                            opened.close()  # (connected meanwhile by a call, or closed)
+                        else:
+                            self._db = self._connect(opened)
+                    if self._db is not None and (self._outbox or self._orphans or self._dropped):
+                        self._drain(self._connection(drain=False), limit=_CHUNK)
+                    delay = _NEXT_CHUNK_SECONDS if self._outbox else _WATCH_SECONDS
+                except ContextKeeperError:  # (lost again, or closed meanwhile: the next pass looks again)
+                    delay = min(max(2 * delay, _RETRY_SECONDS), _RETRY_MAX_SECONDS)
+        with self._lock:
+            if self._thread is threading.current_thread():
+                self._thread = None
 
     def _run(
         self, name: str, params: Sequence[Any] = (), db: psycopg.Connection[tuple[Any, ...]] | None = None
@@ -394,11 +691,7 @@ class PostgresTranscript(Transcript):
             cursor = db.execute(self._sql[name], params, prepare=True)
             return cursor.fetchall() if cursor.description is not None else []
         except psycopg.OperationalError as error:
-            lost = db.broken or db.closed
-            if lost:
-                db.close()
-                self._db = None
-            raise self._unavailable(error, lost) from None
+            raise self._failed(db, error) from None
 
     def _migrate(self, db: psycopg.Connection[tuple[Any, ...]]) -> None:
         """Bring the schema to :data:`MIGRATIONS`' latest version (once, however many replicas start at once)."""
@@ -606,6 +899,17 @@ class PostgresTranscript(Transcript):
         if isinstance(failure, psycopg.OperationalError):
             failure = self._unavailable(failure, lost)
         flight.error = failure
+        if flight.begun is not None and lost:
+            # A begin whose commit is unknown: its caller gets the error (nothing is sent), and its row, if it was
+            # stored, is closed as failed once a session is back.
+            self._orphans.append(flight.begun)
+            self._wake()
+        pending = flight.pending
+        if pending is not None and isinstance(failure, TranscriptUnavailable) and (lost or pending.tries < _TRIES):
+            # An end sent behind that was not committed: the first write of the next session (or retry).
+            pending.tries += 0 if lost else 1
+            self._queue(pending, front=True)
+            return
         if flight.behind:
             log.warning(
                 "could not complete call %s in the transcript %s (it reads interrupted once this process ends): %s",
@@ -665,7 +969,15 @@ class PostgresTranscript(Transcript):
 
     def _write(self, store: Any) -> int:
         self._answered()
-        return super()._write(store)
+        with self._lock:
+            if self._outbox or self._recently_down():
+                self._forget()  # a write that may wait in the outbox carries every row it names (see _queue)
+            return super()._write(store)
+
+    def _began(self, call: int, node: int) -> None:
+        with self._lock:
+            super()._began(call, node)
+            self._wake()  # a call in flight: its session is watched until it ends
 
     def _landed(self, flight: _Flight) -> int:
         """The call number ``flight`` (a begin()'s insert) wrote, once committed; its error if it failed."""
@@ -719,16 +1031,81 @@ class PostgresTranscript(Transcript):
         if not self.fast_writes:  # the reference waits
             return super()._insert_later(row)
         db, values = self._insert_values(row)
-        flight = self._send("insert", values, db, _Flight(name="insert", node=row.inputs))
+        begun = (row.conversation, row.time, self._owner)
+        flight = self._send("insert", values, db, _Flight(name="insert", node=row.inputs, begun=begun))
         return lambda: self._landed(flight)
 
     def _update(self, row: _Row, *, wait: bool = True) -> None:
         values = [*self._upserts(), *_content(row), row.call]
-        db = self._connection()
-        if not wait and self.fast_writes:
-            self._send("update", values, db, _Flight(name="update", call=row.call, behind=True))
-        elif self._write_row("update", values, db) is None:
-            raise UnknownCall(f"the transcript {self._safe} holds no call {row.call}")
+        if wait:
+            if self._write_row("update", values, self._connection()) is None:
+                raise UnknownCall(f"the transcript {self._safe} holds no call {row.call}")
+            return
+        # Sent behind: never raised into the caller (who has its reply). Whatever keeps it from being committed now
+        # (the session lost, the database down, writes already waiting) puts it in the outbox.
+        item = _Pending(kind="update", call=row.call, values=values, size=_weight(values))
+        if self._outbox or self._recently_down():
+            self._queue(item)
+            return
+        try:
+            db = self._connection()
+            if self.fast_writes:
+                self._send("update", values, db, _Flight(name="update", call=row.call, behind=True, pending=item))
+            elif self._write_row("update", values, db) is None:
+                log.warning(
+                    "could not complete call %s in the transcript %s: it holds no such call", row.call, self._safe
+                )
+        except TranscriptUnavailable:
+            self._queue(item)
+
+    def _discard(self, row: _Row) -> _Gone:
+        item = _Pending(kind="refuse", call=row.call, row=row, size=_weight([row.report, row.error or ""]))
+        if self._outbox or self._recently_down():
+            self._queue(item)
+            return _Gone()
+        try:
+            return self._discard_now(self._connection(), row)
+        except TranscriptUnavailable:
+            self._queue(item)  # recorded once the database is back (the caches are forgotten meanwhile)
+            return _Gone()
+
+    def _discard_now(self, db: psycopg.Connection[tuple[Any, ...]], row: _Row) -> _Gone:
+        """The refusal ``row`` written on ``db``, in one transaction: the begun row replaced, then the nodes of its
+        inputs (from the tip up, to the first one something else uses) and the blobs only they and the row named,
+        deleted. Rows a write in progress holds locked are kept (that write is about to use them)."""
+        import psycopg
+
+        sql = self._sql
+        gone = _Gone()
+        try:
+            with db.transaction():
+                found = db.execute(sql["refused_row"], (row.call,)).fetchone()
+                if found is None or found[4] != "begun":
+                    raise UnknownCall(f"the transcript {self._safe} holds no call {row.call} in flight")
+                db.execute(sql["refuse"], (_uuid(0), row.dropped, row.rewritten, row.report, row.error, row.call))
+                blobs = [b for b in found[2:4] if b is not None]
+                for tip in {found[0], found[1]} - {None, _uuid(0)}:
+                    chain = db.execute(sql["chain"], (tip,)).fetchall()  # the tip first
+                    ids = [r[0] for r in chain]
+                    locked = {r[0] for r in db.execute(sql["lock_nodes"], (ids,))}
+                    used = {r[0] for r in db.execute(sql["used_nodes"], (ids, ids))}  # read after the locks
+                    unused = []
+                    for node, parent, blob in chain:
+                        if node not in locked or node in used:
+                            break
+                        unused.append(node)
+                        gone.nodes[node.int] = (parent.int, blob.int)
+                        blobs.append(blob)
+                    if unused:
+                        db.execute(sql["delete_nodes"], (unused,))
+                if blobs:
+                    candidates = list(dict.fromkeys(blobs))
+                    locked_blobs = [r[0] for r in db.execute(sql["lock_blobs"], (candidates,))]
+                    for (blob,) in db.execute(sql["delete_blobs"], (locked_blobs,)).fetchall():
+                        gone.blobs[blob.int] = f"{blob.int:032x}"
+        except psycopg.OperationalError as error:
+            raise self._failed(db, error) from None
+        return gone
 
     def _commit(self) -> None:
         self._dirty = False  # each write was one statement, committed when it returned
@@ -752,31 +1129,46 @@ class PostgresTranscript(Transcript):
                 out.update(super()._alive({owner}))
         if sessions:
             pids = sorted({pid for pid, _ in sessions.values()})
-            found = {int(r[0]): r[1] for r in self._run_sessions(pids)}
+            found = {int(r[0]): r[1] for r in self._run_sessions(_SESSIONS, (pids,))}
             for owner, (session, started) in sessions.items():
                 # A session of another role shows its pid but not its start (no pg_read_all_stats): alive.
                 out[owner] = session in found and (found[session] is None or str(found[session]) == started)
+            ended = [owner for owner, alive in out.items() if not alive and owner in sessions]
+            if ended:
+                # Sessions a restart of the server ended (they started before it did): their processes are most
+                # likely alive and reconnecting (a lost session's calls are re-owned by the next one), so they
+                # are given restart_grace seconds from the server's start.
+                boot, uptime = self._run_sessions(self._sql["boot"], ())[0]
+                if float(uptime) < self.restart_grace:
+                    for owner in ended:
+                        started = sessions[owner][1]
+                        out[owner] = started.isdigit() and int(started) < int(boot)
         return out
 
-    def _run_sessions(self, pids: list[int]) -> list[tuple[Any, ...]]:
+    def _run_sessions(self, statement: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         import psycopg
 
         db = self._connection()
         try:
-            return db.execute(_SESSIONS, (pids,), prepare=True).fetchall()
+            return db.execute(statement, params, prepare=True).fetchall()
         except psycopg.OperationalError as error:
             if db.broken or db.closed:
                 self._db = None
             raise self._unavailable(error, db.broken or db.closed) from None
 
-    def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
+    def _select(
+        self, conversation: str | None, call: int | None = None, last: bool = False, kept: bool = False
+    ) -> list[_Row]:
         if call is not None:
             rows = self._run("select_one", (call,))
             rows = [r for r in rows if conversation is None or r[1] == conversation]
         elif conversation is not None:
-            rows = self._run("select_last_of" if last else "select_of", (conversation,))
+            name = "select_kept_last_of" if kept and last else "select_last_of" if last else "select_of"
+            rows = self._run(name, (conversation,))
         else:
-            rows = self._run("select_last" if last else "select_all")
+            rows = self._run("select_kept_last" if kept and last else "select_last" if last else "select_all")
+        if kept and not last:
+            rows = [r for r in rows if r[13] != "refused"]
         return [
             _Row(
                 call=int(r[0]),
@@ -802,11 +1194,57 @@ class PostgresTranscript(Transcript):
         with self._lock:
             return int(self._run("count")[0][0])
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every write of this process is committed: the one in flight, and the outbox's (connecting
+        again while the database cannot be reached, for ``timeout`` seconds at most; None: connect_timeout +
+        statement_timeout). Still unreachable by then: a :class:`TranscriptUnavailable` that says how many writes
+        wait (they stay in the outbox, and are sent once the database is back)."""
+        deadline = time.monotonic() + (self._wait_seconds if timeout is None else max(0.0, timeout))
+        delay = _RETRY_SECONDS
+        for _ in range(1_000_000):  # bounded: the deadline ends it
+            with self._lock:
+                if self._pid != os.getpid() or self._closed:
+                    return  # (a forked child's outbox is its parent's; a closed transcript has none)
+                self._settle()
+                if not (self._outbox or self._orphans or self._dropped):
+                    return
+                try:
+                    self._connection()
+                    continue  # drained (and the calls that will never end closed)
+                except TranscriptUnavailable as error:
+                    failure = error
+                waiting = len(self._outbox)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TranscriptUnavailable(
+                    f"{waiting} write(s) of this process (ends or refusals of calls) still wait for the transcript "
+                    f"database at {self._safe}, which cannot be reached: {failure}",
+                    cause=failure,
+                )
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, _RETRY_MAX_SECONDS)
+
     def close(self) -> None:
+        """Close the session once the outbox is sent (waiting at most ``min(10 s, connect_timeout +
+        statement_timeout)``; what is still waiting then is logged as not recorded)."""
+        with self._lock:
+            mine = self._pid == os.getpid() and not self._closed
+        if mine:
+            try:
+                self.flush(timeout=min(_CLOSE_SECONDS, self._wait_seconds))
+            except ContextKeeperError as error:
+                log.error(
+                    "closing the transcript %s with %d write(s) not recorded (their calls read interrupted): %s",
+                    self._safe,
+                    len(self._outbox),
+                    _clean(str(error), self._secret),
+                )
         with self._lock:
             if self._pid == os.getpid():
                 self._settle()  # an end() still in flight is committed before the session closes
             self._closed = True
+            self._outbox.clear()
+            self._outbox_size = 0
             if self._db is not None and self._pid == os.getpid():
                 self._db.close()
             self._db = None
@@ -820,8 +1258,35 @@ class _Flight:
     call: int = 0  # an update's call; an insert's once its result is read
     node: int | None = None  # a begin()'s inputs (its trie node)
     behind: bool = False  # an end(wait=False): nobody waits for it, so a failure is logged
+    pending: _Pending | None = None  # an end(wait=False): what the outbox keeps if the session does not commit it
+    begun: tuple[str, float, str] | None = None  # a begin(): (conversation, time, owner), to find its row again
     done: bool = False
     error: BaseException | None = None
+
+
+@dataclass(eq=False, kw_only=True)
+class _Pending:
+    """A write in the outbox: an end (``values`` of the update, its new rows included) or a refusal (``row``)."""
+
+    kind: str  # "update" or "refuse"
+    call: int
+    values: list[Any] | None = None
+    row: _Row | None = None
+    size: int = 0  # bytes it holds, roughly
+    tries: int = 0  # sent on a live session without completing
+
+
+def _weight(values: Sequence[Any]) -> int:
+    """The bytes an update's values hold, roughly (the texts, and 16 per id or number)."""
+    total = 256
+    for value in values:
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, list):
+            total += sum(len(v) if isinstance(v, str) else 16 for v in value)
+        else:
+            total += 16
+    return total
 
 
 def _password_of(url: str) -> str | None:

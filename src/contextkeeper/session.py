@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ._memo import IdentityMemo
 from .messages import Conversation, Message
 from .strategies.base import Items
-from .tokens import BatchTextCounting, Forking, TextBounding, TextCounting, TokenCounter
+from .tokens import BatchTextCounting, Forgetting, Forking, TextBounding, TextCounting, TokenCounter
 from .tokens.breakdown import HeadCounts
 
 if TYPE_CHECKING:
@@ -149,6 +149,17 @@ class Session:
             text_tokens_many=main.text_tokens_many if isinstance(main, BatchTextCounting) else None,
             text_bound=main.text_tokens_bound if isinstance(main, TextBounding) else None,
         )
+
+    def forget_inputs(self) -> None:
+        """After a failed fit: let go of everything that holds the inputs it read (their validated messages, the
+        counters' last prompt), so a refused request is not kept alive until this conversation's next fit. What
+        the previous successful fit left (its window, its rewrites) stays."""
+        self.previous = None
+        self.paired = None
+        self.head_slots = None
+        for counter in (self.counter, self.side):
+            if isinstance(counter, Forgetting):
+                counter.forget()
 
     def window_state(self) -> WindowState | None:
         """This conversation's window start and rewrites, for another process to :meth:`adopt` (None before a fit,

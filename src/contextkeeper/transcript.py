@@ -9,13 +9,19 @@ Wrapped calls write ahead: :meth:`Transcript.start` stores (and, in SQLite, comm
 anything is sent, and :meth:`Transcript.end` completes that entry with the prompt, the reply or the error. A call
 whose process ended in between reads back with ``status="interrupted"``.
 
+A call refused by our own checks before anything was sent (too large, invalid) is completed with
+:meth:`Transcript.refuse`: its entry keeps the refusal (error, time, sizes) but not the inputs, and whatever its
+write-ahead stored that no other entry uses is deleted (``status="refused"``; :meth:`Transcript.history` skips it).
+
 Storage is content-addressed so a long chat costs linear space, not quadratic: every distinct message (and
 tools list) is stored once under a hash of its JSON, and a call's message lists are paths in a trie of (previous
 message, message) nodes, so a call that extends the previous call's list adds only its new messages. The JSON
 keeps the caller's key order at every depth (a template renders keys in that order, so a replayed prompt counts
-as the sent one did). Index lists are stored as runs. :class:`MemoryTranscript` keeps this in dicts;
-:class:`SQLiteTranscript` in a SQLite file (WAL mode) that survives restarts; ``PostgresTranscript``
-(:mod:`contextkeeper.pg_transcript`) in Postgres, shared by every process and replica.
+as the sent one did). Index lists are stored as runs. :class:`MemoryTranscript` keeps this in dicts (the default
+store, ``open_transcript(None)``, is bounded by :data:`DEFAULT_MEMORY_BYTES` and evicts the least recently used
+conversations whole); :class:`SQLiteTranscript` in a SQLite file (WAL mode) that survives restarts;
+``PostgresTranscript`` (:mod:`contextkeeper.pg_transcript`) in Postgres, shared by every process and replica.
+Those two are the user's storage: never evicted.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 import socket
@@ -31,6 +38,7 @@ import sqlite3
 import sys
 import threading
 import time as _time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +49,7 @@ from ._memo import IdentityMemo, Memo, data_size
 from .messages import MAX_DEPTH, Message, _problem
 
 __all__ = [
+    "DEFAULT_MEMORY_BYTES",
     "INTERRUPTED",
     "URL_STORES",
     "Begun",
@@ -55,11 +64,17 @@ __all__ = [
     "open_transcript",
 ]
 
+log = logging.getLogger("contextkeeper")
+
 Indices = tuple[int, ...]
-Status = Literal["ok", "failed", "pending", "interrupted"]
+Status = Literal["ok", "failed", "pending", "interrupted", "refused"]
 
 #: The error of a call that was started (its inputs stored) by a process that ended before the call did.
 INTERRUPTED = "interrupted: the process ended before the reply"
+
+#: The bound of the default transcript (``transcript=None``: in memory) in bytes; past it the least recently used
+#: conversations are evicted whole. Stores given explicitly keep what they are given.
+DEFAULT_MEMORY_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +84,8 @@ class TranscriptEntry:
     recorded). ``status``: ``"ok"``; ``"failed"`` (``error`` says why; ``received`` holds what arrived before
     the failure, e.g. a stream cut mid-way, or None); ``"pending"`` (started, not ended yet: only the inputs are
     known); ``"interrupted"`` (started by a process that ended before the call did; ``error`` is
-    :data:`INTERRUPTED`)."""
+    :data:`INTERRUPTED`); ``"refused"`` (refused by our own checks before anything was sent, see
+    :meth:`Transcript.refuse`: ``error`` says why, ``report["refused"]`` its sizes, and the inputs are not kept)."""
 
     call: int = 0
     conversation: str = "default"
@@ -379,8 +395,19 @@ class _Row:
     usage: str | None
     error: str | None
     attempts: int
-    state: str = "done"  # "begun": the inputs were stored before the call was sent; "done": it ended
+    # "begun": the inputs were stored before the call was sent; "done": it ended; "refused": refused before it was
+    # sent (nothing of its inputs is stored)
+    state: str = "done"
     owner: str | None = None  # the process that began it (see _owner)
+
+
+@dataclass(frozen=True)
+class _Gone:
+    """What a store deleted (a refused call's inputs, evicted conversations): node -> (parent, blob), blob -> its
+    digest (None where the store does not know it), so the caches in front of the store can forget exactly those."""
+
+    nodes: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    blobs: dict[int, str | None] = dataclasses.field(default_factory=dict)
 
 
 def _start_time(pid: int) -> str | None:
@@ -433,6 +460,8 @@ def _status(row: _Row, alive: Mapping[str, bool]) -> Status:
     """The row's status; ``alive``: :meth:`Transcript._alive` of the owners of the rows read together."""
     if row.state == "done":
         return "failed" if row.error is not None else "ok"
+    if row.state == "refused":
+        return "refused"
     return "pending" if row.owner is not None and alive.get(row.owner, False) else "interrupted"
 
 
@@ -451,6 +480,17 @@ def _path_size(lane: str, path: tuple[tuple[object, ...], list[int], int]) -> in
     # the two lists, and a node id each.
     snapshots, nodes, held = path
     return sys.getsizeof(lane) + held + sys.getsizeof(snapshots) + sys.getsizeof(nodes) + 32 * len(nodes)
+
+
+def _json_bytes(values: Sequence[Any]) -> int | None:
+    """The UTF-8 bytes of ``values`` as the transcript stores them (each as its own JSON), or None where they do
+    not serialise (only called on values a write already took)."""
+    try:
+        return sum(
+            len(json.dumps(v, separators=(",", ":"), ensure_ascii=False, default=_default).encode()) for v in values
+        )
+    except (TypeError, ValueError, RecursionError):
+        return None
 
 
 def _kept_as_is(entry: TranscriptEntry) -> bool:
@@ -569,8 +609,26 @@ class Transcript:
         the network may send it and return before it is committed (see :meth:`end`)."""
         raise NotImplementedError
 
-    def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
+    def _select(
+        self, conversation: str | None, call: int | None = None, last: bool = False, kept: bool = False
+    ) -> list[_Row]:
+        """Rows in call order: of ``conversation`` (None: all), or the one ``call``; ``last``: the latest only;
+        ``kept``: refused calls left out."""
         raise NotImplementedError
+
+    def _discard(self, row: _Row) -> _Gone:
+        """Replace the begun call ``row.call`` with ``row`` (its refusal, which refers to no message) and delete the
+        trie nodes and blobs the begun row used that nothing else uses now; what was deleted.
+        :class:`UnknownCall` when the store holds no begun call of that number."""
+        raise NotImplementedError
+
+    def _has_node(self, node: int) -> bool:
+        """Whether a node a cache names is still stored (a store that deletes on its own, as the bounded memory
+        store evicts, checks; the others delete only what they purge from the caches at once)."""
+        return True
+
+    def _has_blob(self, blob: int) -> bool:
+        return True
 
     def _commit(self) -> None:
         pass
@@ -602,7 +660,7 @@ class Transcript:
         text = _serial(value) if text is None else text
         digest = _digest(text)
         blob = self._blobs.get(digest)
-        if blob is None:
+        if blob is None or not self._has_blob(blob):
             blob = self._find_blob(digest)
             if blob is None:
                 blob = self._store_blob(digest, text)
@@ -613,7 +671,7 @@ class Transcript:
         """The message's blob id, a snapshot that compares equal to it while it is unchanged (a copy of a dict, a
         Message itself; ``_NEVER`` for objects we cannot compare cheaply) and the snapshot's bytes."""
         seen = self._seen.get(message)
-        if seen is not None:
+        if seen is not None and self._has_blob(seen[0]):
             return seen
         if type(message) is dict:
             text = _serial(message)
@@ -639,13 +697,20 @@ class Transcript:
         if memo is not None:
             known, known_nodes, known_bytes = memo
             size = len(known)
-            if size and size <= len(messages) and all(map(_same, known, messages[:size])):
+            if (
+                size
+                and size <= len(messages)
+                and self._has_node(known_nodes[-1])  # (a node's ancestors are kept while it is)
+                and all(map(_same, known, messages[:size]))
+            ):
                 node, start = known_nodes[-1], size
                 snapshots, nodes, held = list(known), list(known_nodes), known_bytes
         comparable = len(snapshots) == start
         for message in messages[start:] if start else messages:
             blob, snapshot, snapshot_bytes = self._message_blob(message)
             child = self._nodes.get((node, blob))
+            if child is not None and not self._has_node(child):
+                child = None
             if child is None:
                 # A node this instance made has no children but those in the cache: no need to ask the store.
                 child = None if node in self._created else self._find_node(node, blob)
@@ -761,8 +826,10 @@ class Transcript:
 
         ``wait=False`` (what wrapped calls do): a store over the network (Postgres) sends the completed entry and
         returns without waiting for its commit; this transcript's next read or write, :meth:`flush` or
-        :meth:`close` waits for it first (so this process reads what it wrote), and a failure is logged then, not
-        raised. The inputs, written by :meth:`start`, are durable either way."""
+        :meth:`close` waits for it first (so this process reads what it wrote). Such a store never raises it into
+        the caller: an end the database could not commit (unreachable, restarted) waits in the store's outbox and
+        is sent again once it can be; one the database refuses as such is logged. The inputs, written by
+        :meth:`start`, are durable either way."""
         details.setdefault("tools", started.tools)
         entry = make_entry(started.inputs, fit, conversation=started.conversation, time=started.time, **details)
         entry = dataclasses.replace(entry, call=started.call)
@@ -774,6 +841,72 @@ class Transcript:
 
         self._write(store)
         return entry
+
+    def refuse(
+        self,
+        started: TranscriptEntry | None,
+        error: BaseException | str,
+        *,
+        conversation: str = "default",
+        inputs: Sequence[Any] = (),
+        tools: Sequence[Any] | None = None,
+    ) -> TranscriptEntry:
+        """Complete a call refused by our own checks before anything was sent (too large, invalid messages): its
+        entry keeps the refusal (conversation, time, ``error``, and in ``report["refused"]`` the sizes: message
+        and tool counts, the inputs' JSON bytes) but not the inputs, and what :meth:`begin` stored for it that no
+        other entry uses (message blobs, trie nodes, the tools list) is deleted, in the store and in this
+        transcript's caches. A call of the same conversation writing alongside keeps everything it uses.
+
+        ``started``: the entry :meth:`begin` (``.wait()``) or :meth:`start` returned, a call still begun. None: the
+        call was refused before anything was written (the write itself refused it); then ``conversation``,
+        ``inputs`` and ``tools`` describe it and only their counts are recorded. Returns the refusal's entry
+        (``status="refused"``). A store over the network that cannot be reached records it once it can (see
+        :class:`~contextkeeper.pg_transcript.PostgresTranscript`) instead of raising."""
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        sizes: dict[str, int | None]
+        if started is None:
+            sizes = {"messages": len(inputs), "tools": len(tools or ())}
+            entry = TranscriptEntry(
+                conversation=conversation, time=_time.time(), report={"refused": sizes}, error=text, attempts=0,
+                status="refused",
+            )  # fmt: skip
+            call = self._write(lambda: self._insert(dataclasses.replace(self._row(entry, 0), state="refused")))
+            return dataclasses.replace(entry, call=call)
+        sizes = {
+            "messages": len(started.inputs),
+            "bytes": _json_bytes(started.inputs),
+            "tools": len(started.tools or ()),
+            "tools_bytes": _json_bytes(started.tools or ()),
+        }
+        entry = TranscriptEntry(
+            call=started.call, conversation=started.conversation, time=started.time, report={"refused": sizes},
+            error=text, attempts=0, status="refused",
+        )  # fmt: skip
+        with self._lock:
+            self._settle()
+            self._begun.pop(started.call, None)
+            row = dataclasses.replace(self._row(entry, 0), state="refused")
+            gone = self._discard(row)
+            self._uncache(gone, started.conversation, started.inputs)
+        return entry
+
+    def _uncache(self, gone: _Gone, conversation: str | None = None, messages: Sequence[Any] = ()) -> None:
+        """Forget what the caches say of rows the store deleted (``gone``), the lane of ``conversation`` (its
+        snapshots are the refused inputs) and the snapshots of ``messages`` whose blobs went."""
+        if conversation is not None:
+            self._paths.pop(conversation)
+        if not gone.nodes and not gone.blobs:
+            return
+        for node, key in gone.nodes.items():
+            self._nodes.pop(key)
+            self._created.pop(node)
+        for digest in gone.blobs.values():
+            if digest is not None:
+                self._blobs.pop(digest)
+        for message in messages:
+            seen = self._seen.get(message)
+            if seen is not None and seen[0] in gone.blobs:
+                self._seen.pop(message)
 
     def _entries(self, rows: list[_Row]) -> list[TranscriptEntry]:
         wanted: set[int] = set()
@@ -844,8 +977,11 @@ class Transcript:
 
     def history(self, conversation: str = "default") -> list[dict[str, Any]]:
         """The full conversation as the latest call saw it, never trimmed, plus its reply when it has one (a
-        call that failed, or that a crash interrupted, ends the history with its inputs): what to resume from."""
-        entry = self.last(conversation)
+        call that failed, or that a crash interrupted, ends the history with its inputs): what to resume from.
+        Refused calls are skipped: their inputs were never part of the conversation, and are not kept."""
+        with self._lock:
+            rows = self._select(conversation, last=True, kept=True)
+            entry = self._entries(rows)[0] if rows else None
         if entry is None:
             return []
         reply = [entry.received] if entry.received is not None and entry.status == "ok" else []
@@ -855,8 +991,9 @@ class Transcript:
         with self._lock:
             return len(self._select(None))
 
-    def flush(self) -> None:
-        """Wait until every write made so far is committed (see :meth:`end`'s ``wait``)."""
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every write made so far is committed (see :meth:`end`'s ``wait``); ``timeout`` bounds the
+        wait of a store over the network (see there)."""
         with self._lock:
             self._settle()
 
@@ -870,29 +1007,80 @@ class Transcript:
         self.close()
 
 
+# What the memory store charges besides the texts: a blob's digest and its entries in four dicts; a node's tuple, key
+# and entries in three; a row's object and its entries (its strings are added as they are).
+_BLOB_BYTES = 480
+_NODE_BYTES = 480
+_ROW_BYTES = 1000
+_BURST_SECONDS = 60.0  # evictions closer together than this are one burst, warned of once
+
+
+def _row_bytes(row: _Row) -> int:
+    texts = (row.conversation, row.dropped, row.rewritten, row.report, row.usage, row.error, row.owner)
+    return _ROW_BYTES + sum(sys.getsizeof(text) for text in texts if text is not None)
+
+
 class MemoryTranscript(Transcript):
-    """Entries in this process's memory, lost when it ends."""
+    """Entries in this process's memory, lost when it ends.
 
-    def __init__(self) -> None:
+    ``max_bytes`` (None: no bound) bounds what the store holds (messages, the trie, rows, by its own accounting,
+    :attr:`nbytes`): past it, the least recently used conversations (written or read) are evicted whole, and a
+    warning says so once per burst of evictions. A conversation with a call in flight (begun, not ended) is not
+    evicted. ``open_transcript(None)``, the default of a keeper and of ``contextkeeper serve``, gives
+    ``max_bytes=DEFAULT_MEMORY_BYTES``.
+    """
+
+    def __init__(self, *, max_bytes: int | None = None) -> None:
         super().__init__()
-        self._texts: list[str] = []
-        self._parents: list[int] = [0]  # node 0 is the empty list
-        self._node_blobs: list[int] = [-1]
-        self._rows: list[_Row] = []
-        # The store's indexes (its data, as the UNIQUE columns are SQLite's, not caches): each distinct message
-        # and each (parent, blob) node is stored once however long the transcript lives.
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ConfigurationError(
+                f"max_bytes={max_bytes!r} is not a positive number of bytes. Fix: pass e.g. max_bytes=256 * 1024 * "
+                "1024, or max_bytes=None for no bound"
+            )
+        self.max_bytes = max_bytes
+        # The store. Each blob and node counts its uses (nodes and rows naming a blob; child nodes and rows naming a
+        # node), so that what no entry uses any more is deleted with the last entry that did. Ids are never reused:
+        # a cache naming a deleted row is a miss (_has_node, _has_blob), never another row.
+        self._texts: dict[int, str] = {}
+        self._digests: dict[int, str] = {}
         self._blob_ids: dict[str, int] = {}
+        self._blob_uses: dict[int, int] = {}
+        self._node_of: dict[int, tuple[int, int]] = {}  # node -> (parent, blob); node 0 is the empty list
         self._node_ids: dict[tuple[int, int], int] = {}
+        self._node_uses: dict[int, int] = {}
+        self._rows: dict[int, _Row] = {}
+        self._calls_of: OrderedDict[str, list[int]] = OrderedDict()  # conversation -> its calls, least recent first
+        self._begun_in: dict[str, int] = {}  # conversation -> its calls in flight
+        self._next_blob = 0
+        self._next_node = 1
+        self._next_call = 1
+        self._bytes = 0
+        self._made: list[tuple[bool, int]] = []  # (a node?, id) stored by the write in progress
+        self.evicted = 0  #: conversations evicted so far
+        self._last_eviction = -_BURST_SECONDS  # monotonic
 
+    @property
+    def nbytes(self) -> int:
+        """What the store holds, in bytes, by the accounting ``max_bytes`` bounds."""
+        return self._bytes
+
+    # -- blobs and nodes --------------------------------------------------------------------------------
     def _store_blob(self, digest: str, text: str) -> int:
         blob = self._blob_ids.get(digest)
         if blob is None:
-            self._texts.append(text)
-            blob = self._blob_ids[digest] = len(self._texts) - 1
+            blob = self._next_blob
+            self._next_blob += 1
+            self._texts[blob], self._digests[blob], self._blob_ids[digest] = text, digest, blob
+            self._blob_uses[blob] = 0
+            self._bytes += _BLOB_BYTES + sys.getsizeof(text)
+            self._made.append((False, blob))
         return blob
 
     def _find_blob(self, digest: str) -> int | None:
         return self._blob_ids.get(digest)
+
+    def _has_blob(self, blob: int) -> bool:
+        return blob in self._texts
 
     def _blob_texts(self, ids: set[int]) -> dict[int, str]:
         return {i: self._texts[i] for i in ids}
@@ -900,36 +1088,190 @@ class MemoryTranscript(Transcript):
     def _store_node(self, parent: int, blob: int) -> int:
         node = self._node_ids.get((parent, blob))
         if node is None:
-            self._parents.append(parent)
-            self._node_blobs.append(blob)
-            node = self._node_ids[(parent, blob)] = len(self._parents) - 1
+            node = self._next_node
+            self._next_node += 1
+            self._node_of[node], self._node_ids[(parent, blob)], self._node_uses[node] = (parent, blob), node, 0
+            if parent:
+                self._node_uses[parent] += 1
+            self._blob_uses[blob] += 1
+            self._bytes += _NODE_BYTES
+            self._made.append((True, node))
         return node
 
     def _find_node(self, parent: int, blob: int) -> int | None:
         return self._node_ids.get((parent, blob))
 
+    def _has_node(self, node: int) -> bool:
+        return node == 0 or node in self._node_of
+
     def _path(self, node: int) -> list[int]:
         out = []
         while node:
-            out.append(self._node_blobs[node])
-            node = self._parents[node]
+            node, blob = self._node_of[node]
+            out.append(blob)
         return out[::-1]
 
+    def _use(self, row: _Row) -> None:
+        for node in (row.inputs, row.sent):
+            if node:
+                self._node_uses[node] += 1
+        for blob in (row.tools, row.received):
+            if blob is not None:
+                self._blob_uses[blob] += 1
+
+    def _release(self, row: _Row, gone: _Gone) -> None:
+        self._drop(
+            [n for n in (row.inputs, row.sent) if n], [b for b in (row.tools, row.received) if b is not None], gone
+        )
+
+    def _drop(self, nodes: list[int], blobs: list[int], gone: _Gone) -> None:
+        """One use less of each node and blob; each that has none left is deleted (a node's deletion is one use less
+        of its parent and of its blob). A loop, not recursion: a chat may be thousands of messages deep."""
+        while nodes:
+            node = nodes.pop()
+            uses = self._node_uses[node] - 1
+            if uses:
+                self._node_uses[node] = uses
+                continue
+            parent, blob = self._node_of.pop(node)
+            del self._node_uses[node], self._node_ids[(parent, blob)]
+            self._bytes -= _NODE_BYTES
+            gone.nodes[node] = (parent, blob)
+            if parent:
+                nodes.append(parent)
+            blobs.append(blob)
+        for blob in blobs:
+            uses = self._blob_uses[blob] - 1
+            if uses:
+                self._blob_uses[blob] = uses
+                continue
+            text, digest = self._texts.pop(blob), self._digests.pop(blob)
+            del self._blob_uses[blob], self._blob_ids[digest]
+            self._bytes -= _BLOB_BYTES + sys.getsizeof(text)
+            gone.blobs[blob] = digest
+
+    # -- rows -------------------------------------------------------------------------------------------
     def _insert(self, row: _Row) -> int:
-        call = len(self._rows) + 1
-        self._rows.append(dataclasses.replace(row, call=call))
+        call = self._next_call
+        self._next_call += 1
+        row = dataclasses.replace(row, call=call)
+        self._use(row)
+        self._rows[call] = row
+        self._bytes += _row_bytes(row)
+        calls = self._calls_of.get(row.conversation)
+        if calls is None:
+            calls = self._calls_of[row.conversation] = []
+        else:
+            self._calls_of.move_to_end(row.conversation)
+        calls.append(call)
+        if row.state == "begun":
+            self._begun_in[row.conversation] = self._begun_in.get(row.conversation, 0) + 1
         return call
 
-    def _update(self, row: _Row, *, wait: bool = True) -> None:
-        if not 1 <= row.call <= len(self._rows):
-            raise UnknownCall(f"the transcript holds no call {row.call}")
-        self._rows[row.call - 1] = row
+    def _replace(self, row: _Row) -> _Gone:
+        """Put ``row`` where the row of its call is; what the old row alone used is deleted."""
+        old = self._rows[row.call]
+        self._use(row)  # first: what both use must never drop to no use
+        self._rows[row.call] = row
+        self._bytes += _row_bytes(row) - _row_bytes(old)
+        gone = _Gone()
+        self._release(old, gone)
+        if old.state == "begun" and row.state != "begun":
+            left = self._begun_in.pop(row.conversation, 1) - 1
+            if left:
+                self._begun_in[row.conversation] = left
+        if row.conversation in self._calls_of:
+            self._calls_of.move_to_end(row.conversation)
+        return gone
 
-    def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
+    def _update(self, row: _Row, *, wait: bool = True) -> None:
+        if row.call not in self._rows:
+            raise UnknownCall(f"the transcript holds no call {row.call}{self._evicted_note()}")
+        self._uncache(self._replace(row))
+
+    def _discard(self, row: _Row) -> _Gone:
+        old = self._rows.get(row.call)
+        if old is None or old.state != "begun":
+            raise UnknownCall(f"the transcript holds no call {row.call} in flight{self._evicted_note()}")
+        return self._replace(row)
+
+    def _evicted_note(self) -> str:
+        return f" (it evicted {self.evicted:,} conversations to stay within max_bytes)" if self.evicted else ""
+
+    def _commit(self) -> None:
+        self._made.clear()
+        if self.max_bytes is not None and self._bytes > self.max_bytes:
+            self._evict(self.max_bytes)
+
+    def _rollback(self) -> bool:
+        # What the failed write stored and nothing uses goes (children first: each takes its parent's use along).
+        made, self._made = self._made, []
+        gone = _Gone()
+        for is_node, ident in reversed(made):
+            uses = self._node_uses if is_node else self._blob_uses
+            if uses.get(ident) == 0:
+                uses[ident] = 1
+                self._drop([ident] if is_node else [], [] if is_node else [ident], gone)
+        return bool(gone.nodes or gone.blobs)
+
+    def _evict(self, limit: int) -> None:
+        """Evict the least recently used conversations whole until the store is within ``limit``."""
+        gone = _Gone()
+        before, conversations, calls = self._bytes, 0, 0
+        skipped = 0
+        while self._bytes > limit and skipped < len(self._calls_of):  # bounded: each pass evicts or skips one
+            conversation = next(iter(self._calls_of))
+            if self._begun_in.get(conversation):  # a call in flight: kept (and counted as used now)
+                self._calls_of.move_to_end(conversation)
+                skipped += 1
+                continue
+            for call in self._calls_of.pop(conversation):
+                row = self._rows.pop(call)
+                self._bytes -= _row_bytes(row)
+                self._release(row, gone)
+                calls += 1
+            self._paths.pop(conversation)
+            conversations += 1
+        self._uncache(gone)
+        if not conversations:
+            return
+        self.evicted += conversations
+        now = _time.monotonic()
+        if now - self._last_eviction > _BURST_SECONDS:
+            log.warning(
+                "the in-memory transcript reached max_bytes=%s: it evicts the least recently used conversations "
+                "whole (%d conversation(s), %d call(s), %s bytes now; warned once per burst). Fix: give the keeper "
+                "a store of your own to keep every conversation (transcript='chat.sqlite' or a postgresql:// URL), "
+                "or a larger bound (transcript=MemoryTranscript(max_bytes=...))",
+                f"{limit:,}",
+                conversations,
+                calls,
+                f"{before - self._bytes:,}",
+            )
+        self._last_eviction = now
+
+    def _select(
+        self, conversation: str | None, call: int | None = None, last: bool = False, kept: bool = False
+    ) -> list[_Row]:
         if call is not None:
-            return [self._rows[call - 1]] if 1 <= call <= len(self._rows) else []
-        rows = self._rows if conversation is None else [r for r in self._rows if r.conversation == conversation]
-        return rows[-1:] if last else list(rows)
+            found = self._rows.get(call)
+            return [found] if found is not None and conversation in (None, found.conversation) else []
+        if conversation is None:
+            rows: Sequence[_Row] | None = None
+        else:
+            calls = self._calls_of.get(conversation)
+            if calls is None:
+                return []
+            self._calls_of.move_to_end(conversation)  # read: used
+            rows = [self._rows[c] for c in calls]
+        if last:
+            latest = reversed(self._rows.values()) if rows is None else reversed(rows)
+            return next(([r] for r in latest if not (kept and r.state == "refused")), [])
+        return [r for r in (self._rows.values() if rows is None else rows) if not (kept and r.state == "refused")]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rows)
 
 
 _SCHEMA = """
@@ -955,6 +1297,16 @@ CREATE TABLE IF NOT EXISTS calls (
     owner TEXT
 );
 CREATE INDEX IF NOT EXISTS calls_by_conversation ON calls (conversation, call);
+"""
+
+# The chain of trie nodes from a node up to the root's child: (id, parent, blob), the node itself first.
+_CHAIN = """
+WITH RECURSIVE chain(id, parent, blob, depth) AS (
+    SELECT id, parent, blob, 0 FROM nodes WHERE id = ?
+    UNION ALL
+    SELECT n.id, n.parent, n.blob, c.depth + 1 FROM nodes n JOIN chain c ON n.id = c.parent
+)
+SELECT id, parent, blob FROM chain ORDER BY depth
 """
 
 # Columns added since the first files were written: (name, declaration), added to older files when opened.
@@ -998,6 +1350,20 @@ def _existing(found: int | None) -> int:
     return found
 
 
+def _with_retries(statement: Callable[[], Any], seconds: float = 10.0) -> None:
+    """Run ``statement``, again while SQLite says the file is locked (switching to WAL takes a lock SQLite does not
+    wait for when another process is opening or writing the same file), for at most ``seconds``."""
+    deadline = _time.monotonic() + seconds
+    for pause in itertools.count():
+        try:
+            statement()
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or _time.monotonic() >= deadline:
+                raise
+            _time.sleep(min(0.2, 0.005 * 2**pause))
+
+
 class SQLiteTranscript(Transcript):
     """Entries in a SQLite file that survives restarts; call numbers continue where the file left off.
 
@@ -1012,22 +1378,22 @@ class SQLiteTranscript(Transcript):
         self.path = Path(path)
         if self.path.parent and not self.path.parent.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db: sqlite3.Connection | None = sqlite3.connect(
-            str(self.path), check_same_thread=False, isolation_level=None
-        )
+        # timeout: another process writing the same file holds its write lock for a moment; wait for it.
+        db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=10.0)
+        self._db: sqlite3.Connection | None = db
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA busy_timeout=10000")  # first: the statements below may meet such a lock
+            _with_retries(lambda: db.execute("PRAGMA journal_mode=WAL"))
             # NORMAL: a commit survives the process being killed (the WAL is in the OS's hands); only a power cut
             # may lose the latest commits.
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA busy_timeout=10000")  # another process writing the same file
-            self._db.executescript(_SCHEMA)
-            have = {str(row[1]) for row in self._db.execute("PRAGMA table_info(calls)")}
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            have = {str(row[1]) for row in db.execute("PRAGMA table_info(calls)")}
             for name, declaration in _ADDED:
                 if name not in have:
-                    self._db.execute(f"ALTER TABLE calls ADD COLUMN {name} {declaration}")
+                    db.execute(f"ALTER TABLE calls ADD COLUMN {name} {declaration}")
         except sqlite3.DatabaseError as exc:
-            self._db.close()
+            db.close()
             self._db = None
             raise ConfigurationError(
                 f"transcript={str(self.path)!r} cannot be used as a SQLite transcript ({exc}). Fix: pass a new file "
@@ -1045,8 +1411,10 @@ class SQLiteTranscript(Transcript):
         return self._db
 
     def _begin(self) -> None:
+        # IMMEDIATE: the write lock from the first look-up on, so a row found here cannot be deleted by another
+        # process's refusal before this write's call refers to it.
         if not self._open:
-            self.db.execute("BEGIN")
+            self.db.execute("BEGIN IMMEDIATE")
             self._open = True
 
     def _store_blob(self, digest: str, text: str) -> int:
@@ -1060,6 +1428,7 @@ class SQLiteTranscript(Transcript):
         return _existing(self._find_blob(digest))
 
     def _find_blob(self, digest: str) -> int | None:
+        self._begin()
         found = self.db.execute("SELECT id FROM blobs WHERE digest = ?", (digest,)).fetchone()
         return int(found[0]) if found else None
 
@@ -1084,6 +1453,7 @@ class SQLiteTranscript(Transcript):
         return _existing(self._find_node(parent, blob))
 
     def _find_node(self, parent: int, blob: int) -> int | None:
+        self._begin()
         found = self.db.execute("SELECT id FROM nodes WHERE parent = ? AND blob = ?", (parent, blob)).fetchone()
         return int(found[0]) if found else None
 
@@ -1129,6 +1499,90 @@ class SQLiteTranscript(Transcript):
         if cursor.rowcount != 1:
             raise UnknownCall(f"the transcript {self.path} holds no call {row.call}")
 
+    def _discard(self, row: _Row) -> _Gone:
+        # Whether anything else uses a row is asked of the whole table (one scan of calls and nodes per refusal,
+        # rare): an index per column a row is named by would cost every write, and the file, more than refusals do.
+        db = self.db
+        self._begin()  # the write lock: no other process finds a row between our look and our delete
+        try:
+            found = db.execute(
+                "SELECT inputs, sent, tools, received, state FROM calls WHERE call = ?", (row.call,)
+            ).fetchone()
+            if found is None or found[4] != "begun":
+                raise UnknownCall(f"the transcript {self.path} holds no call {row.call} in flight")
+            db.execute(
+                "UPDATE calls SET inputs = ?, sent = ?, tools = ?, received = ?, dropped = ?, rewritten = ?, "
+                "report = ?, usage = ?, error = ?, attempts = ?, state = ?, owner = NULL WHERE call = ?",
+                (*_content(row), row.call),
+            )
+            gone = _Gone()
+            blobs: list[int] = [int(b) for b in found[2:4] if b is not None]
+            for tip in {int(found[0]), int(found[1])} - {0}:
+                blobs += self._unused_chain(tip, gone)
+            self._unused_blobs(list(dict.fromkeys(blobs)), gone)
+            self._commit()
+        except BaseException:
+            self._rollback()
+            raise
+        return gone
+
+    def _unused_chain(self, tip: int, gone: _Gone) -> list[int]:
+        """Delete the nodes from ``tip`` up that nothing uses (no call names one, and it has no child but the one
+        below it in the chain), stopping at the first one something uses; the blobs the deleted nodes named."""
+        db = self.db
+        chain = db.execute(_CHAIN, (tip,)).fetchall()  # the tip first
+        ids = json.dumps([int(node) for node, _, _ in chain])
+        used = {
+            int(node)
+            for (node,) in db.execute(
+                "SELECT inputs FROM calls WHERE inputs IN (SELECT value FROM json_each(?1)) "
+                "UNION SELECT sent FROM calls WHERE sent IN (SELECT value FROM json_each(?1)) "
+                "UNION SELECT parent FROM nodes WHERE parent IN (SELECT value FROM json_each(?1)) "
+                "AND id NOT IN (SELECT value FROM json_each(?1))",
+                (ids,),
+            )
+        }
+        top = db.execute("SELECT max(id) FROM nodes").fetchone()[0]
+        blobs: list[int] = []
+        for node, parent, blob in chain:
+            if node in used:
+                break
+            gone.nodes[int(node)] = (int(parent), int(blob))
+            blobs.append(int(blob))
+            if node == top:  # kept as a tombstone: SQLite gives the highest id again to the next row otherwise
+                db.execute("UPDATE nodes SET parent = ?1, blob = ?1 WHERE id = ?2", (-node, node))
+                db.execute("DELETE FROM nodes WHERE parent < 0 AND id < ?", (node,))
+            else:
+                db.execute("DELETE FROM nodes WHERE id = ?", (node,))
+        return blobs
+
+    def _unused_blobs(self, blobs: list[int], gone: _Gone) -> None:
+        """Delete the ``blobs`` no node and no call names (as tools or reply)."""
+        if not blobs:
+            return
+        db = self.db
+        ids = json.dumps(blobs)
+        used = {
+            int(blob)
+            for (blob,) in db.execute(
+                "SELECT blob FROM nodes WHERE blob IN (SELECT value FROM json_each(?1)) "
+                "UNION SELECT tools FROM calls WHERE tools IN (SELECT value FROM json_each(?1)) "
+                "UNION SELECT received FROM calls WHERE received IN (SELECT value FROM json_each(?1))",
+                (ids,),
+            )
+        }
+        top = db.execute("SELECT max(id) FROM blobs").fetchone()[0]
+        for blob in blobs:
+            digest = db.execute("SELECT digest FROM blobs WHERE id = ?", (blob,)).fetchone()
+            if blob in used or digest is None:
+                continue
+            gone.blobs[blob] = str(digest[0])
+            if blob == top:  # a tombstone, as for nodes (digests are hex: "~" sorts after every one)
+                db.execute("UPDATE blobs SET digest = ?, json = '' WHERE id = ?", (f"~{blob}", blob))
+                db.execute("DELETE FROM blobs WHERE digest >= '~' AND id < ?", (blob,))
+            else:
+                db.execute("DELETE FROM blobs WHERE id = ?", (blob,))
+
     def _commit(self) -> None:
         if self._open:
             self._open = False
@@ -1141,9 +1595,11 @@ class SQLiteTranscript(Transcript):
         self.db.execute("ROLLBACK")
         return True
 
-    def _select(self, conversation: str | None, call: int | None = None, last: bool = False) -> list[_Row]:
+    def _select(
+        self, conversation: str | None, call: int | None = None, last: bool = False, kept: bool = False
+    ) -> list[_Row]:
         columns = _COLUMNS
-        where: list[str] = []
+        where: list[str] = ["state <> 'refused'"] if kept else []
         args: list[int | str] = []
         if call is not None:
             where.append("call = ?")
@@ -1273,12 +1729,13 @@ def check_transcript(spec: Any) -> Transcript | Path | str | None:
 
 
 def open_transcript(spec: Transcript | str | Path | None) -> Transcript:
-    """None: a :class:`MemoryTranscript`; a path: a :class:`SQLiteTranscript` there; a URL: the store of its
-    scheme (``postgresql://``: a :class:`~contextkeeper.pg_transcript.PostgresTranscript`); a transcript: itself.
-    A bad value is a :class:`ConfigurationError` (see :func:`check_transcript`)."""
+    """None: a :class:`MemoryTranscript` bounded by :data:`DEFAULT_MEMORY_BYTES`; a path: a
+    :class:`SQLiteTranscript` there; a URL: the store of its scheme (``postgresql://``: a
+    :class:`~contextkeeper.pg_transcript.PostgresTranscript`); a transcript: itself. A bad value is a
+    :class:`ConfigurationError` (see :func:`check_transcript`)."""
     checked = check_transcript(spec)
     if checked is None:
-        return MemoryTranscript()
+        return MemoryTranscript(max_bytes=DEFAULT_MEMORY_BYTES)
     if isinstance(checked, Transcript):
         return checked
     if isinstance(checked, str):  # a URL (paths come back as Path)

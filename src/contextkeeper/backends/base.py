@@ -121,7 +121,7 @@ def wrap(keeper: ContextKeeper, client: Any, **options: Any) -> Any:
         if accepts(client):
             return build(keeper, client, **options)
     raise ConfigurationError(
-        f"cannot wrap a {type(client).__module__}.{type(client).__name__}: pass an openai.OpenAI or AsyncOpenAI "
+        f"cannot wrap this {type(client).__module__}.{type(client).__name__}: pass an openai.OpenAI or AsyncOpenAI "
         "client, a transformers model (with tokenizer=...) or text-generation pipeline, or a callable taking "
         "(messages, **kwargs)"
     )

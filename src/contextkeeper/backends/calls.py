@@ -8,20 +8,41 @@ event loop is never blocked by them.
 Write ahead. Before the first fit, the caller's messages go to the transcript (committed, for a SQLite file), and
 the call's entry is completed or marked failed when it ends, so a crash in between loses nothing it was given.
 
-Recovery. A refusal for length teaches the keeper about the server: the limit it reported, and the tokens it
-counted beyond ours (a hidden system prompt, a different template). Both are kept per server, so later calls fit
-under them and are not refused again. What a refusal implies is bounded (at most half the server's limit) and
-heals: the first reply that reports its usage replaces it with what was measured, and a request that cannot fit
-under it alone is sent once without it, to check it. A refusal without numbers shrinks the budget by a step that
-doubles. A local out-of-memory error shrinks the prompt to three quarters. Transport errors (timeouts, 429, 5xx,
-malformed replies, a stream that breaks before its first chunk) are retried with exponential backoff, and only
-they wait. This is the only retry policy of a wrapped call: the openai SDK's own retries are turned off for the
-requests the wrapper sends.
+Recovery. A refusal for length teaches the keeper about the server: the limit it stated (a server-wide fact, its
+max_model_len), and the tokens it counted beyond ours. A reply's ``usage.prompt_tokens`` measures the same drift
+exactly. What is learned from those drifts is bounded, scoped and heals (:class:`LearnRules`):
+
+- *Plain requests* (none of the :func:`request_features` our count cannot see) share one offset per server, the
+  K-th largest of the last N drifts (3rd of 8; with fewer, the smallest), so one outlier moves nothing, a few
+  agreeing replies do, and a drift no longer seen rolls out of the window (or out of its TTL). It never exceeds a
+  share of the limit (25%). Each call adds one drift: what its reply measured, else what its refusal implied.
+- *Requests with features* (``documents``, ``chat_template_kwargs``, a per-request ``chat_template``, an image, ...)
+  are charged to their own scope: the conversation's session (evicted with it) holds what such requests of that
+  conversation cost beyond our count, per server and feature set; other conversations and plain requests never
+  see it. A limit derived from such a request's overshoot stays in its scope too.
+- A refusal's implied offset applies to the call's own retries at once, so the call recovers.
+- A request our own check refuses only because of learned offsets is sent once without them (a probe: once per
+  call, and per server and scope at most once per ``probe_every`` seconds), and what it measures (its reply's
+  usage or its refusal's numbers) is learned, so the state always heals.
+
+With shared state, each replica writes its own facts, and a reader combines the fresh ones (the lower median of
+their offsets, the least stated limit): one replica cannot move the others (see :mod:`contextkeeper.shared`).
+
+A refusal without numbers shrinks the budget by a step that doubles. A local out-of-memory error shrinks the prompt
+to three quarters. Transport errors (timeouts, 429, 5xx, malformed replies, a stream that breaks before its first
+chunk) are retried with exponential backoff, and only they wait. This is the only retry policy of a wrapped call:
+the openai SDK's own retries are turned off for the requests the wrapper sends.
+
+Admission. A request for ``n`` answers (or vLLM's ``best_of``, which generates that many) is admitted as the prompt
+plus ``max(n, best_of)`` answers: the server keeps one copy of the prompt's KV blocks, shared by the sequences
+(vLLM forks them from the prompt's blocks; with prefix caching they are shared outright), and each sequence grows
+its own answer. The fit is per sequence and unchanged: the prompt plus one answer fits the context.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import inspect
@@ -31,23 +52,31 @@ import sys
 import threading
 import time
 import warnings
-from collections import deque
-from collections.abc import Generator
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import tracing
 from .._exceptions import (
     ConfigurationError,
     ContextLengthExceeded,
+    CountingError,
+    MessageError,
     OutOfMemory,
     ProviderError,
+    RequestRejected,
+    RequestTooLarge,
     StreamInterrupted,
     TranscriptUnavailable,
     TransportError,
 )
 from ..dialects import DIALECTS
-from ..shared import ServerFacts
+from ..ledger import ExceedsCapacity
+from ..shared import ServerFacts, WrittenFacts, lower_median
+from ..tokens.media import PART_MODALITY
 from .base import Backend, Reply, Request
 from .errors import Attempted, Failure, classify, provider_error
 from .servers import Drift, fewer_advice, kind_of_error
@@ -56,10 +85,22 @@ if TYPE_CHECKING:
     from ..keeper import ContextKeeper, Fit, Reserve
     from ..ledger import Ledger, Ticket
     from ..redis_ledger import RedisLedger
+    from ..session import Session
     from ..shared import SharedState
     from ..transcript import Begun, TranscriptEntry
 
-__all__ = ["CallReport", "DriftWarning", "ServerState", "cached_tokens_of", "call_async", "call_sync"]
+__all__ = [
+    "PROMPT_FIELDS",
+    "CallReport",
+    "DriftWarning",
+    "LearnRules",
+    "ServerState",
+    "cached_tokens_of",
+    "call_async",
+    "call_sync",
+    "request_features",
+    "sequences_of",
+]
 
 log = logging.getLogger("contextkeeper")
 
@@ -74,35 +115,169 @@ class DriftWarning(UserWarning):
     """The server counted the prompt differently from the keeper (warned once per server)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class LearnRules:
+    """How offsets learned from drifts grow, are bounded and decay (the module docstring says why).
+
+    ``agree``/``window``: a plain offset is the ``agree``-th largest of the last ``window`` drifts (with fewer, the
+    smallest); ``share``: the most it may be, of the least of the server's and the keeper's limit; ``ttl``: seconds
+    a drift, or a scope's offset, counts; ``probe_every``: seconds between two probes of one server and scope;
+    ``scopes``: the scopes (server and feature set) one conversation keeps."""
+
+    agree: int = 3
+    window: int = 8
+    share: float = 0.25
+    ttl: float = 3600.0
+    probe_every: float = 30.0
+    scopes: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("agree", "window", "scopes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"LearnRules({name}={value!r}): {name} must be a whole number >= 1")
+        if self.agree > self.window:
+            raise ConfigurationError(
+                f"LearnRules(agree={self.agree}, window={self.window}): agreement needs at most the window's drifts"
+            )
+        if not 0 < self.share < 1:
+            raise ConfigurationError(f"LearnRules(share={self.share!r}): the share of the limit must be in (0, 1)")
+        for name in ("ttl", "probe_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigurationError(f"LearnRules({name}={value!r}): {name} must be a number of seconds >= 0")
+
+
+#: Request fields an OpenAI-compatible server (vLLM, SGLang) renders into the prompt beside the messages, which the
+#: keeper's count does not see, each with the value that changes nothing (``...``: any value set counts).
+PROMPT_FIELDS: Mapping[str, Any] = MappingProxyType(
+    {
+        "documents": ...,  # handed to the chat template (RAG templates render them)
+        "chat_template": ...,  # a per-request template
+        "chat_template_kwargs": ...,  # splatted into the template (enable_thinking, thinking, controls...)
+        "mm_processor_kwargs": ...,  # how many tokens an image or a video becomes
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "add_special_tokens": False,
+    }
+)
+
+
+def _given(value: Any) -> bool:
+    """A value the caller set (the openai SDK's ``NOT_GIVEN`` and ``omit`` are not)."""
+    return value is not None and type(value).__name__ not in ("NotGiven", "Omit")
+
+
+def _sources(params: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
+    """The call's arguments, and their ``extra_body`` (where the SDK carries fields it does not know)."""
+    extra = params.get("extra_body")
+    return (params, extra) if isinstance(extra, Mapping) else (params,)
+
+
+def request_features(messages: Any, params: Mapping[str, Any]) -> frozenset[str]:
+    """What the server counts in this request that the keeper's count cannot see exactly: the names of the known
+    :data:`PROMPT_FIELDS` it sets (in ``params`` or their ``extra_body``), and the kinds of media its messages carry
+    (``"image"``, ``"audio"``, ``"video"``, ``"file"``: their cost per part is an estimate). Unknown fields are not
+    features (servers ignore them), so a client cannot grow the keeper's state by inventing names."""
+    found: set[str] = set()
+    for source in _sources(params):
+        for name, neutral in PROMPT_FIELDS.items():
+            value = source.get(name)
+            if not _given(value) or value == neutral:
+                continue
+            if neutral is ... and isinstance(value, (str, list, tuple, dict)) and not value:
+                continue  # an empty template, document list or kwargs changes nothing
+            found.add(name)
+    for message in messages if isinstance(messages, (list, tuple)) else ():
+        content = _get(message, "content")
+        if isinstance(content, (list, tuple)):
+            for part in content:
+                kind = _get(part, "type")
+                if isinstance(kind, str) and kind in PART_MODALITY:
+                    found.add(PART_MODALITY[kind])
+    return frozenset(found)
+
+
+def sequences_of(params: Mapping[str, Any]) -> int:
+    """The answers the server generates for one prompt: ``max(n, best_of)`` (each 1 when not given, in ``params``
+    or their ``extra_body``). Raises :class:`ConfigurationError` for a value that is not a whole number >= 1."""
+    most = 1
+    for source in _sources(params):
+        for name in ("n", "best_of"):
+            value = source.get(name)
+            if not _given(value):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(
+                    f"{name} must be a whole number >= 1 (the answers the server generates for the prompt), got "
+                    f"{value!r}. Fix: pass {name}=1 or more, or leave it out"
+                )
+            most = max(most, value)
+    return most
+
+
+@dataclass(eq=False)
+class _Drift:
+    """One drift (server count minus ours) of a plain request: measured on a reply, or implied by a refusal."""
+
+    at: float  # time.monotonic()
+    tokens: int
+    source: str  # "reply" | "refusal"
+
+
+@dataclass
+class _Scoped:
+    """What one conversation's requests with one feature set cost beyond our count, on one server."""
+
+    hidden: int
+    at: float  # time.monotonic() when learned
+    source: str  # "reply" | "refusal"
+    limit: int | None = None  # derived from an overshoot refusal of this scope (not a server-wide fact)
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 @dataclass
 class ServerState:
-    """What the keeper learned about one server."""
+    """What the keeper learned about one server: its own observations, and the facts other replicas share."""
 
-    limit: int | None = None  # the context length the server reported
-    hidden: int = 0  # tokens kept free for what the server counts beyond our count
-    measured: int = 0  # the part of ``hidden`` measured on replies (usage.prompt_tokens), not implied by refusals
-    confirmed: bool = False  # a refusal of a check sent without the implied offset bore it out
+    limit: int | None = None  # the context length the server stated in a refusal (or an overshoot implied)
+    kind: str | None = None  # the server software, when recognised: "vllm", "llama.cpp", "ollama", "openai"
+    drifts: deque[_Drift] = field(default_factory=lambda: deque(maxlen=8), repr=False)  # plain requests' latest
+    peers: dict[str, WrittenFacts] = field(default_factory=dict, repr=False)  # other replicas' facts, by writer
+    accepted: int = 0  # the largest prompt the server accepted (a stated limit below it is wrong)
     rejects: int = 0
     recoveries: int = 0
     drift_warned: bool = False
+    scope_warned: bool = False  # (the same, for a drift of a request with features)
     last_drift: int | None = None
-    kind: str | None = None  # the server software, when recognised: "vllm", "llama.cpp", "ollama", "openai"
-    drifts: deque[int] = field(default_factory=lambda: deque(maxlen=8), repr=False)  # the latest measured
-    shared: ServerFacts | None = field(default=None, repr=False)  # the facts as last read from or shared with replicas
+    shared: ServerFacts | None = field(default=None, repr=False)  # the facts this process last shared
+    shared_at: float = field(default=0.0, repr=False)  # when (time.monotonic())
     pulled: bool = field(default=False, repr=False)  # read from the shared state once (later: with each admission)
 
-    def facts(self) -> ServerFacts:
-        """What replicas share of this state."""
-        return ServerFacts(
-            limit=self.limit, hidden=self.hidden, measured=self.measured, confirmed=self.confirmed, kind=self.kind
+    def agreed(self, rules: LearnRules, now: float, source: str | None = None) -> tuple[int, int] | None:
+        """``(offset, drifts)``: the offset this process's live drifts (of ``source`` only, when given) agree on,
+        and how many there are; None without any."""
+        live = sorted(
+            (d.tokens for d in self.drifts if now - d.at <= rules.ttl and source in (None, d.source)), reverse=True
         )
+        if not live:
+            return None
+        value = live[rules.agree - 1] if len(live) >= rules.agree else live[-1]
+        return max(0, value), len(live)
 
-    def adopt(self, facts: ServerFacts) -> None:
-        """Take what another replica learned."""
-        self.limit, self.hidden, self.measured = facts.limit, facts.hidden, facts.measured
-        self.confirmed = facts.confirmed
-        self.kind = self.kind or facts.kind
-        self.shared = facts
+    def facts(self, rules: LearnRules, now: float) -> ServerFacts:
+        """What this process shares of what it learned itself."""
+        own, measured = self.agreed(rules, now), self.agreed(rules, now, "reply")
+        return ServerFacts(
+            limit=self.limit,
+            hidden=own[0] if own else 0,
+            measured=measured[0] if measured else 0,
+            kind=self.kind,
+            samples=own[1] if own else 0,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +292,7 @@ class CallReport:
     server_prompt_tokens: int | None  # the server's count (usage.prompt_tokens), when it reported one
     completion_tokens: int | None  # the answer's tokens, when the server reported them
     drift: int | None  # server minus ours
-    withheld: int  # tokens kept free below the keeper's limit (server limit, hidden tokens, shrinking)
+    withheld: int  # tokens kept free below the keeper's limit as the call ended (server limit, hidden, shrinking)
     admission: str  # "unlimited", "admitted", "waited 0.20 s", "shrunk to N tokens"
     kv_bytes: int | None  # the KV cache the prompt plus answer takes on the model's runtime (model given)
     kv_share: float | None  # of the KV capacity on the GPU (model and GPU given)
@@ -130,10 +305,19 @@ class CallReport:
     # conversation's previous prompt (fit.report.prefix_tokens).
     cached_tokens: int | None = None
     prefix_tokens: int | None = None
+    # What the last attempt kept free for what the server counts beyond our count (``withheld`` is what the keeper
+    # keeps free after the call, for the calls that follow), and where that came from: "agreed" (this process's
+    # drifts agree), "shared" (the replicas' lower median), "scope" (this conversation's requests with these
+    # features), "refusal" (this call's own refusal), "probe" (sent without any, to measure).
+    hidden: int = 0
+    hidden_from: str | None = None
+    features: tuple[str, ...] = ()  # what the server counts that our count cannot see (request_features)
+    sequences: int = 1  # answers generated (n, best_of): admitted as the prompt plus this many answers
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["recoveries"] = list(self.recoveries)
+        data["features"] = list(self.features)
         return data
 
 
@@ -152,46 +336,163 @@ class Calls:
     # A Redis ledger on the shared state's own Redis: each admission's script also reads the server's facts (a copy
     # under the pool's hash tag), so a call needs no round trip of its own for them.
     facts_ledger: RedisLedger | None = None
+    rules: LearnRules = field(default_factory=LearnRules)
+    # Offsets of requests with features, owned by their conversation's session (gone when it is evicted): per
+    # session, the latest few (server, feature set) scopes.
+    scopes: weakref.WeakKeyDictionary[Session, OrderedDict[tuple[str, frozenset[str]], _Scoped]] = field(
+        default_factory=weakref.WeakKeyDictionary, repr=False
+    )
+    # When each (server, conversation or None, feature set) was last probed (time.monotonic()), the latest few.
+    probes: OrderedDict[tuple[str, str | None, frozenset[str]], float] = field(default_factory=OrderedDict, repr=False)
 
     def server(self, name: str, kind: str | None = None) -> ServerState:
         with self.lock:
-            state = self.servers.setdefault(name, ServerState())
+            state = self.servers.get(name)
+            if state is None:
+                state = self.servers[name] = ServerState(drifts=deque(maxlen=self.rules.window))
             state.kind = state.kind or kind
             return state
 
+    # -------------------------------------------------------------------------------- what is learned
+    def _fresh_peers(self, state: ServerState) -> list[ServerFacts]:
+        if self.shared is None or not state.peers:
+            return []
+        now, ttl = time.time(), self.shared.ttl
+        return [record.facts for record in state.peers.values() if record.fresh(now, ttl)]
+
+    def limit(self, state: ServerState) -> int | None:
+        """The server's limit: the least stated by this process and the fresh replicas, leaving out any below a
+        prompt the server accepted (disproved)."""
+        with self.lock:
+            stated = [state.limit, *(facts.limit for facts in self._fresh_peers(state))]
+            known = [limit for limit in stated if limit is not None and limit >= state.accepted]
+            return min(known) if known else None
+
+    def plain(self, state: ServerState, ceiling: int) -> tuple[int, str | None, str]:
+        """``(tokens, label, why)``: what plain requests to this server keep free for what it counts beyond our
+        count, where it comes from ("agreed", "shared"), and why in words; ``ceiling``: the limit the share is of."""
+        rules, now = self.rules, time.monotonic()
+        with self.lock:
+            own = state.agreed(rules, now)
+            votes = [facts.hidden for facts in self._fresh_peers(state) if facts.votes]
+        if own is None and not votes:
+            return 0, None, ""
+        if votes:
+            value = lower_median([own[0], *votes] if own is not None else votes)
+            label, why = "shared", f"the lower median of {len(votes) + (own is not None)} replicas' agreed offsets"
+        else:
+            assert own is not None
+            value, count = own
+            label = "agreed"
+            why = (
+                f"agreed: the {_ordinal(rules.agree)} largest of the last {count} drifts seen"
+                if count >= rules.agree
+                else f"the smallest of the {count} drift(s) seen so far"
+            )
+        most = int(ceiling * rules.share)
+        if value > most:
+            value, why = most, f"{why}, bounded to {rules.share:.0%} of the limit"
+        return value, label, why
+
+    def scoped(self, session: Session, server: str, features: frozenset[str]) -> _Scoped | None:
+        """The live offset of ``session``'s requests with ``features`` to ``server``, or None."""
+        with self.lock:
+            entries = self.scopes.get(session)
+            entry = entries.get((server, features)) if entries is not None else None
+            if entry is None or entries is None:
+                return None
+            if time.monotonic() - entry.at > self.rules.ttl:
+                del entries[(server, features)]
+                return None
+            entries.move_to_end((server, features))
+            return entry
+
+    def charge(
+        self,
+        session: Session,
+        server: str,
+        features: frozenset[str],
+        *,
+        hidden: int | None = None,
+        source: str = "reply",
+        limit: int | None = None,
+        accepted: int | None = None,
+    ) -> None:
+        """Learn what ``session``'s requests with ``features`` cost on ``server``: a reply's measured ``hidden``
+        replaces the scope's offset, a refusal's raises it (its count may be capped); ``limit`` lowers the scope's
+        own limit, and a prompt ``accepted`` above it drops it."""
+        with self.lock:
+            entries = self.scopes.setdefault(session, OrderedDict())
+            key = (server, features)
+            entry = entries.pop(key, None)
+            if entry is None:
+                entry = _Scoped(hidden=0, at=time.monotonic(), source=source)
+            if hidden is not None:
+                if source == "reply" or hidden > entry.hidden:
+                    entry.hidden, entry.source = max(0, hidden), source
+                entry.at = time.monotonic()
+            if limit is not None:
+                entry.limit = limit if entry.limit is None else min(entry.limit, limit)
+            if accepted is not None and entry.limit is not None and accepted > entry.limit:
+                entry.limit = None  # the server took more than that: the limit was wrong
+            entries[key] = entry
+            while len(entries) > self.rules.scopes:
+                entries.popitem(last=False)
+
+    def probe(self, key: tuple[str, str | None, frozenset[str]]) -> float:
+        """Claim a probe of ``key`` (server, conversation or None, feature set): 0.0 when claimed, else the seconds
+        until the next may go."""
+        now = time.monotonic()
+        with self.lock:
+            last = self.probes.get(key)
+            if last is not None and now - last < self.rules.probe_every:
+                return self.rules.probe_every - (now - last)
+            self.probes[key] = now
+            self.probes.move_to_end(key)
+            while len(self.probes) > 1024:
+                self.probes.popitem(last=False)
+            return 0.0
+
+    # ------------------------------------------------------------------------------------ replicas
     def pull(self, name: str) -> None:
         """Take what other replicas learned about server ``name`` since this process last looked (with a facts
         ledger, only the first time: later admissions bring them)."""
         if self.shared is None:
             return
         with self.lock:
-            state = self.servers.setdefault(name, ServerState())
+            state = self.server(name)
             if self.facts_ledger is not None and state.pulled:
                 return
-        facts = self.shared.server(name)
-        self.adopt(name, facts)
+        records = self.shared.server_records(name)
+        self.adopt(name, records)
         with self.lock:
             state.pulled = True
 
-    def adopt(self, name: str, facts: ServerFacts | None) -> bool:
-        """Take ``facts`` (about server ``name``, as replicas share them) when they are new; True if they were."""
+    def adopt(self, name: str, records: list[WrittenFacts]) -> bool:
+        """Take the replicas' ``records`` about server ``name`` (this process's own left out: it knows better);
+        True if they changed."""
+        own = self.shared.writer if self.shared is not None else None
+        peers = {record.writer: record for record in records if record.writer != own}
         with self.lock:
-            state = self.servers.setdefault(name, ServerState())
-            if facts is None or facts == state.shared:
+            state = self.server(name)
+            if peers == state.peers:
                 return False
-            state.adopt(facts)
+            state.peers = peers
+            state.kind = state.kind or next((r.facts.kind for r in peers.values() if r.facts.kind), None)
             return True
 
     def push(self, name: str) -> None:
-        """Share what this process learned about server ``name``, when it changed."""
+        """Share what this process learned about server ``name`` itself, when it changed (or, unchanged, a while
+        after it was last written, so that it stays fresh)."""
         if self.shared is None:
             return
+        now = time.monotonic()
         with self.lock:
-            state = self.servers.setdefault(name, ServerState())
-            facts = state.facts()
-            if facts == state.shared:
+            state = self.server(name)
+            facts = state.facts(self.rules, now)
+            if facts == state.shared and now - state.shared_at < self.shared.ttl / 4:
                 return
-            state.shared = facts
+            state.shared, state.shared_at = facts, now
         copies = (self.facts_ledger.facts_key(name),) if self.facts_ledger is not None else ()
         self.shared.learn_server(name, facts, copies=copies)
 
@@ -256,12 +557,20 @@ class Call:
         self.max_tokens: int | None = int(params[key]) if key is not None else None
         self.answer = self.max_tokens if self.max_tokens is not None else self.keeper.policy.answer_tokens
         self.server = calls.server(backend.server, getattr(backend, "kind", None))
+        self.sequences = 1  # answers the server generates (n, best_of), read in begin
+        self.features: frozenset[str] = frozenset()  # what our count cannot see (begin): picks what is withheld
+        self.charged = self.features  # those the fitted prompt kept (media can be trimmed): where drifts go
+        self.session: Session | None = None  # the conversation's session: it owns the scoped offsets
         self.shrink = 0  # tokens withheld after refusals without numbers, or out-of-memory errors
         self.cap: int | None = None  # prompt cap after an out-of-memory error
-        self.granted: int | None = None  # what a shrinking admission granted (prompt plus answer)
-        self.checking = False  # this attempt was sent without what refusals implied, to check it
+        self.granted: int | None = None  # what a shrinking admission granted (prompt plus answers)
+        self.implied = 0  # what this call's refusals implied the server counts beyond ours (for its own retries)
+        self.drift: _Drift | None = None  # this call's drift in the server's window (one per call: the latest)
+        self.checking = False  # this attempt was sent without the learned offsets, to measure them (a probe)
         self.checked = False
+        self.sent_offset: tuple[int, str | None] = (0, None)  # what the last attempt sent kept free, and why
         self.attempts = 0
+        self.sent = 0  # requests that went to the backend (an attempt refused by our own checks never did)
         self.recoveries: list[str] = []
         self.transport_failures: list[Failure] = []  # what the backoff reads: how many, and any Retry-After
         self.fit: Fit | None = None
@@ -277,6 +586,8 @@ class Call:
         """Write ahead: the caller's messages go to the transcript first (a store over the network answers while
         the call fits; :meth:`prepare` waits for them to be durable before the request leaves). With shared
         state, take what other replicas learned about the server, while that write travels."""
+        self.sequences = sequences_of(self.params)  # a bad n or best_of is refused before anything is kept
+        self.features = self.charged = request_features(self.messages, self.params)
         transcript = self.calls.transcript
         if transcript is not None:
             inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
@@ -339,7 +650,7 @@ class Call:
     def _reasons(self, trusted: bool = False) -> list[tuple[str, str]]:
         """Why tokens are withheld below the keeper's limit, each with what would free them."""
         reasons = []
-        limit = self.server.limit
+        limit = self._limit()
         if limit is not None and limit < self.keeper.limit:
             reasons.append(
                 (
@@ -348,11 +659,14 @@ class Call:
                     "context_window is not what binds",
                 )
             )
-        hidden = self._hidden(trusted)
+        hidden, _, why = self._offset(trusted)
         if hidden:
+            wait = self._probe_wait()
+            if wait:
+                why += f"; a check without it went to the server recently, the next may go in {wait:.0f} s"
             reasons.append(
                 (
-                    f"the server counts {hidden:,} tokens we cannot see",
+                    f"the server counts {hidden:,} tokens we cannot see ({why})",
                     "pass the server's own chat template and tokenizer, or have it add fewer tokens of its own "
                     "(a hidden system prompt)",
                 )
@@ -380,16 +694,53 @@ class Call:
             )
         return reasons or [("admission", "lower concurrency")]
 
-    def _hidden(self, trusted: bool) -> int:
-        """The tokens the server counts beyond ours: all that was learned, or (``trusted``) only what was measured
-        on replies or borne out by a second refusal."""
-        if trusted and not self.server.confirmed:
-            return self.server.measured
-        return self.server.hidden
+    def _scope(self) -> _Scoped | None:
+        """This conversation's learned offset for requests with these features (None for a plain request)."""
+        if not self.features or self.session is None:
+            return None
+        return self.calls.scoped(self.session, self.backend.server, self.features)
+
+    def _limit(self) -> int | None:
+        """The server's limit for this request: server-wide, and its scope's own (from an overshoot) when less."""
+        limit = self.calls.limit(self.server)
+        scope = self._scope()
+        if scope is not None and scope.limit is not None:
+            limit = scope.limit if limit is None else min(limit, scope.limit)
+        return limit
+
+    def _offset(self, trusted: bool = False) -> tuple[int, str | None, str]:
+        """``(tokens, label, why)``: what this attempt keeps free for what the server counts beyond our count, where
+        it comes from (see :attr:`CallReport.hidden_from`) and why, in words. ``trusted``: the probe, without any."""
+        if trusted:
+            return 0, "probe" if self.checking else None, ""
+        scope = self._scope()
+        learned: tuple[int, str | None, str]
+        if scope is not None:
+            kinds = ", ".join(sorted(self.features))
+            how = "measured on" if scope.source == "reply" else "implied by a refusal of"
+            learned = (scope.hidden, "scope", f"{how} this conversation's requests with {kinds}")
+        else:
+            limit = self._limit()
+            learned = self.calls.plain(self.server, min(self.keeper.limit, limit or self.keeper.limit))
+        if self.implied > learned[0]:
+            return self.implied, "refusal", "implied by this call's refusal"
+        return learned
+
+    def _probe_key(self) -> tuple[str, str | None, frozenset[str]]:
+        scoped = self.options.conversation if self.features else None
+        return self.backend.server, scoped, self.features
+
+    def _probe_wait(self) -> float:
+        """Seconds until this request's scope may be probed again (0: now)."""
+        last = self.calls.probes.get(self._probe_key())
+        every = self.calls.rules.probe_every
+        return 0.0 if last is None else max(0.0, every - (time.monotonic() - last))
 
     def _withheld(self, trusted: bool = False) -> int:
         limit = self.keeper.limit
-        effective = min(limit, self.server.limit or limit) - self._hidden(trusted) - (0 if trusted else self.shrink)
+        server_limit = self._limit()
+        hidden = self._offset(trusted)[0]
+        effective = min(limit, server_limit or limit) - hidden - (0 if trusted else self.shrink)
         if self.cap is not None:
             effective = min(effective, self.cap + self.answer)
         return max(0, limit - effective)
@@ -402,46 +753,60 @@ class Call:
         self.attempts += 1
         self.checking = False
         self.granted = None
+        if self.features and self.session is None:
+            # (the session the fit uses: kept while the call runs, so what is learned lands where it was measured)
+            self.session = self.keeper._sessions.get(self.options.conversation)
         withheld = self._withheld()
         try:
             fit = self._fit(withheld)
-        except RequestTooLarge:
-            # What refusals implied may be wrong (a server that overstates the prompt): rather than refuse this
-            # request and every later one, send it once without that, and learn from the answer.
+        except RequestTooLarge as refused:
+            # Learned offsets may be wrong (a server that overstated a prompt, a drift no longer there): rather
+            # than refuse this request, and every later one, send it once without them and learn from the answer.
+            # At most once per call, and per server and scope once per probe_every seconds.
             trusted = self._withheld(trusted=True)
             if self.checked or trusted >= withheld:
                 raise
+            why = self._offset()[2]
             fit = self._fit(trusted, trusted=True)
+            if self.calls.probe(self._probe_key()) > 0:  # probed recently: the reasons say when the next may go
+                raise refused from None
             self.recoveries.append(
-                f"the {withheld - trusted:,} tokens that refusals implied left no room for the request: sent "
-                "without them once, to check them"
+                f"the {withheld - trusted:,} tokens withheld for what the server counts beyond our count ({why}) "
+                "left no room for the request: sent without them once, to check them"
             )
             self.checking = self.checked = True
             withheld = trusted
         if self.calls.ledger is not None:
-            need = fit.tokens + self.answer
-            floor = fit.tokens - fit.report.history_after + self.answer  # never-trimmed parts plus the answer
+            answers = self.sequences * self.answer  # n sequences share the prompt's blocks, each has its answer
+            need = fit.tokens + answers
+            floor = fit.tokens - fit.report.history_after + answers  # never-trimmed parts plus the answers
             ticket = yield need, floor
             self.ticket = ticket
-            facts = ServerFacts.from_json(ticket.facts) if ticket.facts else None
-            if self.calls.adopt(self.backend.server, facts) and self._withheld() > withheld:
+            # Through a facts ledger the admission read the replicas' facts (none: there are none, or all expired).
+            records = WrittenFacts.array(ticket.facts) if ticket.facts else []
+            read = self.calls.facts_ledger is not None and self.calls.adopt(self.backend.server, records)
+            if read and self._withheld(self.checking) > withheld:
                 # Another replica learned the server meanwhile (read with the admission): fit under it, and hold
                 # only what that prompt needs.
-                withheld = self._withheld()
-                fit = self._fit(withheld)
-                need = fit.tokens + self.answer
+                withheld = self._withheld(self.checking)
+                fit = self._fit(withheld, trusted=self.checking)
+                need = fit.tokens + answers
                 if need < ticket.tokens:
                     ticket.resize(need)
             if ticket.tokens < need:  # mode "shrink": fit again into what was granted
                 self.granted = ticket.tokens
-                fit = self._fit(max(withheld, self.keeper.limit - ticket.tokens), trusted=self.checking)
-                ticket.resize(fit.tokens + self.answer)
-                self.admission = f"shrunk to {fit.tokens + self.answer:,} tokens"
+                room = ticket.tokens - answers + self.answer  # for the prompt and one answer
+                fit = self._fit(max(withheld, self.keeper.limit - room), trusted=self.checking)
+                ticket.resize(fit.tokens + answers)
+                self.admission = f"shrunk to {fit.tokens + answers:,} tokens"
             elif ticket.waited:
                 self.admission = f"waited {ticket.waited:.2f} s"
             else:
                 self.admission = "admitted"
         self.fit = fit
+        self.sent_offset = self._offset(self.checking)[:2]
+        if self.features:
+            self.charged = request_features(fit.messages, self.params)
         self._durable()  # write-ahead: nothing leaves before the inputs are committed
         params = dict(self.params)
         params["messages"] = fit.messages
@@ -456,6 +821,7 @@ class Call:
         )
         if self.trace is not None:
             self.trace.sent(request)
+        self.sent += 1
         return request
 
     def prepared(self) -> Request:
@@ -524,32 +890,45 @@ class Call:
         sent = fit.tokens if fit is not None else 0
         if failure.kind == "context":
             before = self._withheld()
-            bounded = ""
+            note = ""
+            name = self.backend.server
             with self.calls.lock:
                 server = self.server
                 server.rejects += 1
                 server.kind = server.kind or kind_of_error(failure.message)
                 if failure.limit is not None:
-                    server.limit = failure.limit
+                    server.limit = failure.limit  # the server's max_model_len: a fact of the server, not the request
                 if failure.prompt_tokens is not None and failure.prompt_tokens > sent:
                     implied = failure.prompt_tokens - sent
-                    # Sanity: a server that hides more than half of its own context is more likely miscounting.
-                    most = (server.limit or self.keeper.limit) // 2
-                    if implied > most:
-                        bounded = f", bounded to {most:,} (half the server's limit)"
-                    server.hidden = max(server.hidden, min(implied, most))
+                    self.implied = max(self.implied, implied)  # this call's retries keep it free at once
                     if self.checking:
-                        server.confirmed = True  # refused without the offset too: it holds
+                        note = ", refused without the learned offsets too"
+                    if self.charged and self.session is not None:
+                        self.calls.charge(self.session, name, self.charged, hidden=implied, source="refusal")
+                        note += f"; charged to this conversation's requests with {', '.join(sorted(self.charged))}"
+                    else:
+                        self._drift(implied, "refusal")
+                        ceiling = min(self.keeper.limit, self._limit() or self.keeper.limit)
+                        most = int(ceiling * self.calls.rules.share)
+                        if implied > most:
+                            note += (
+                                f"; later calls keep at most {most:,} of it ({self.calls.rules.share:.0%} of the limit)"
+                            )
                 if failure.excess and failure.limit is None:
-                    # Only the overshoot is known: the server's limit is at most what we sent less that.
-                    server.limit = min(server.limit or self.keeper.limit, sent - failure.excess)
-            self.calls.push(self.backend.server)
+                    # Only the overshoot is known: the limit is at most what we sent less that. For a request with
+                    # features the overshoot includes what they cost, so that limit is the scope's alone.
+                    derived = sent - failure.excess
+                    if self.charged and self.session is not None:
+                        self.calls.charge(self.session, name, self.charged, limit=derived)
+                    else:
+                        server.limit = min(server.limit or self.keeper.limit, derived)
+            self.calls.push(name)
             if self._withheld() <= before:  # nothing new learned: step down, further each time
                 step = max(64, self.keeper.limit // 20)
                 self.shrink = max(step, 2 * self.shrink)
             self.recoveries.append(
                 f"refused for length ({sent:,} tokens sent; server said limit {failure.limit}, prompt "
-                f"{failure.prompt_tokens}{bounded}): refit {self._withheld():,} tokens below the limit"
+                f"{failure.prompt_tokens}{note}): refit {self._withheld():,} tokens below the limit"
             )
         elif failure.kind == "oom":
             self.cap = max(1, (sent * 3) // 4)
@@ -594,21 +973,28 @@ class Call:
         drift = None
         if reply.prompt_tokens is not None:
             drift = reply.prompt_tokens - fit.tokens
+            name = self.backend.server
             with self.calls.lock:
                 server = self.server
                 server.last_drift = drift
-                # Measured: what the server counts beyond ours is this (the latest few, for templates whose
-                # difference varies); it replaces whatever a refusal implied, which may have been wrong.
-                server.drifts.append(drift)
-                server.measured = max(0, *server.drifts)
-                server.hidden = server.measured
-                server.confirmed = False
+                server.accepted = max(server.accepted, reply.prompt_tokens)
                 if server.limit is not None and reply.prompt_tokens > server.limit:
                     server.limit = None  # it took more than the limit a refusal gave: that limit was wrong
-                warn = drift != 0 and not server.drift_warned
+                # Measured: what the server counts beyond ours is this. It replaces what this call's refusals
+                # implied, in the call and where it was charged: the scope, or this call's drift in the window.
+                if self.charged and self.session is not None:
+                    self.calls.charge(
+                        self.session, name, self.charged, hidden=drift, source="reply", accepted=reply.prompt_tokens
+                    )
+                else:
+                    self._drift(drift, "reply")
+                self.implied = 0
+                # Once per server for plain requests, and once for requests with features (another cause).
+                warned = "scope_warned" if self.charged else "drift_warned"
+                warn = drift != 0 and not getattr(server, warned)
                 if warn:
-                    server.drift_warned = True
-            self.calls.push(self.backend.server)
+                    setattr(server, warned, True)
+            self.calls.push(name)
             if warn:
                 self._warn_drift(fit, reply.prompt_tokens, drift)
         if self.recoveries:
@@ -623,14 +1009,33 @@ class Call:
             monitor.request_done(label=f"call {self.calls.calls}")
         return None
 
+    def _drift(self, tokens: int, source: str) -> None:
+        """Put this call's drift in the server's window of plain requests, in place of the one it put there before
+        (each call counts once: what its reply measured, else what its last refusal implied). Under the lock."""
+        window = self.server.drifts
+        if self.drift is not None:
+            with contextlib.suppress(ValueError):  # (it may have rolled out of the window meanwhile)
+                window.remove(self.drift)
+        self.drift = _Drift(at=time.monotonic(), tokens=tokens, source=source)
+        window.append(self.drift)
+
     def _warn_drift(self, fit: Fit, counted: int, drift: int) -> None:
         text = (
             f"{self.backend.server} counted {counted:,} prompt tokens where the keeper counted {fit.tokens:,} "
             f"({drift:+,})."
         )
-        if drift > 0:
+        rules = self.calls.rules
+        if drift > 0 and self.charged:
+            kinds = ", ".join(sorted(self.charged))
             advice = (
-                f" Later calls keep {drift:,} tokens free for the difference. Fix: pass the server's own chat "
+                f" The request carried {kinds}, which the server renders into the prompt and the keeper cannot "
+                f"count: this conversation's later requests with {kinds} keep {drift:,} tokens free; other "
+                "requests are not affected. Fix: none needed"
+            )
+        elif drift > 0:
+            advice = (
+                f" Later calls keep it free while replies agree (the {_ordinal(rules.agree)} largest of the last "
+                f"{rules.window} drifts, at most {rules.share:.0%} of the limit). Fix: pass the server's own chat "
                 "template (chat_template=...) and tokenizer"
             )
         else:
@@ -684,7 +1089,8 @@ class Call:
     def _report(self, reply: Reply | None, drift: int | None, error: BaseException | str | None = None) -> CallReport:
         fit = self.fit
         tokens = fit.tokens if fit is not None else 0
-        kv_bytes, share = self.keeper.kv_bytes(tokens + self.answer)
+        kv_bytes, share = self.keeper.kv_bytes(tokens + self.sequences * self.answer)
+        hidden, hidden_from = self.sent_offset
         report = CallReport(
             server=self.backend.server,
             attempts=self.attempts,
@@ -704,6 +1110,10 @@ class Call:
             error=None if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}"),
             cached_tokens=_cached(reply),
             prefix_tokens=fit.report.prefix_tokens if fit is not None else None,
+            hidden=hidden,
+            hidden_from=hidden_from if hidden or self.checking else None,  # (a probe keeps nothing free)
+            features=tuple(sorted(self.features)),
+            sequences=self.sequences,
         )
         if self.trace is not None:
             self.trace.end(report, reply)
@@ -738,7 +1148,14 @@ class Call:
                 if self.begun.error is not None and self.begun.error is exc:
                     return  # the inputs never reached the transcript: that is the error the caller gets
                 self._durable()
-            if self.entry is not None:
+            if reply is None and self.sent == 0 and isinstance(exc, _REFUSALS):
+                # Refused by our own checks before anything left: the refusal is recorded, not its payload (a
+                # request too large for the context, say, must not stay in the transcript at every retry).
+                inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
+                transcript.refuse(
+                    self.entry, exc, conversation=self.options.conversation, inputs=inputs, tools=self.tools
+                )
+            elif self.entry is not None:
                 # Not waited for (a store over the network commits it behind; the inputs were durable before the
                 # request left): the caller gets its reply without a round trip.
                 transcript.end(self.entry, self.fit, wait=False, **details)
@@ -764,6 +1181,10 @@ class Call:
             report.attempts,
             report.admission,
         )
+
+
+#: Errors that refuse a request for what it holds (its size, its messages, its settings), raised before it is sent.
+_REFUSALS = (RequestTooLarge, RequestRejected, MessageError, CountingError, ExceedsCapacity, ConfigurationError)
 
 
 def _get(obj: Any, name: str) -> Any:

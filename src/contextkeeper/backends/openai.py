@@ -29,6 +29,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._redis import safe_url
 from .base import Reply, Request, register_wrapper, reply_from, usage_of
 from .calls import Call, cached_tokens_of, call_async, call_sync, calls_of, options
 from .servers import kind_of_reply, kind_of_url
@@ -277,7 +278,8 @@ class OpenAIBackend:
         with_options = getattr(client, "with_options", None)
         sender = with_options(max_retries=0) if callable(with_options) else client
         self.create = create or sender.chat.completions.create
-        self.server = str(getattr(client, "base_url", "openai"))
+        # The server's name in reports, logs and shared keys: its URL without a password (a userinfo URL's).
+        self.server = safe_url(str(getattr(client, "base_url", "openai")))
         self.kind = kind_of_url(self.server)
 
     def complete(self, request: Request) -> Reply | Awaitable[Reply]:

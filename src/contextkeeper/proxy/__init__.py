@@ -12,16 +12,20 @@ with ProxyServer(Proxy.from_config(load_config("proxy.toml", upstream="http://12
 ```
 """
 
+from .access import Access
 from .app import Proxy
 from .config import ModelEntry, ProxyConfig, ProxyConfigError, Route, build_routes, default_config, load_config
 from .identity import Identity, identify
+from .limits import InputLimits
 from .observe import DebugStore, Exchange, Observer
-from .server import ProxyServer
+from .server import ProxyServer, ServerLimits
 
 __all__ = [
+    "Access",
     "DebugStore",
     "Exchange",
     "Identity",
+    "InputLimits",
     "ModelEntry",
     "Observer",
     "Proxy",
@@ -29,6 +33,7 @@ __all__ = [
     "ProxyConfigError",
     "ProxyServer",
     "Route",
+    "ServerLimits",
     "build_routes",
     "default_config",
     "identify",

@@ -10,33 +10,44 @@ streamed back as it comes.
 Each chat answer says what was done in its headers (``X-Contextkeeper-Prompt-Tokens``, ``-Messages-Dropped``,
 ``-Actions``, ``-Conversation``, and the fits' time as ``Server-Timing: fit;dur=<ms>``);
 ``GET /contextkeeper/conversations/{id}`` shows the latest exchange of a conversation with the fit's whole report.
+
+Every request is treated as possibly hostile (docs/proxy.md, "Security"): its ``Host`` and ``Origin`` are checked
+and its caller's tenant found (:mod:`.access`) before anything else; a chat body is read within the input limits
+and checked before the keeper sees it (:mod:`.limits`), large ones off the event loop; a client that goes away
+cancels its call and gives its KV room back; only allowlisted paths are forwarded; credentials in the upstream URL
+are never shown.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
 import contextvars
 import dataclasses
-import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route as HTTPRoute
-from starlette.types import Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .._exceptions import ConfigurationError, RequestRejected
+from .._redis import safe_url
 from ..backends.calls import Call, CallReport, Options, call_async, calls_of
+from .access import UNFITTED, Access, Caller, Forwarding, loopback_host
 from .config import ProxyConfig, Route, build_routes
 from .errors import error_body, error_reply
-from .identity import HEADER, Identity, InvalidConversation, identify
+from .identity import HEADER, Identity, identify
+from .limits import OFF_LOOP_BYTES, InputLimits, check_chat, parse_json, read_body
 from .observe import DebugStore, Exchange, Observer
 
 if TYPE_CHECKING:
@@ -78,6 +89,9 @@ _ANSWER_SETS = frozenset({"content-length", "content-encoding", "content-type", 
 _NAMED = ("model", "stream", "max_tokens", "max_completion_tokens", "tools")
 _ANSWER_KEYS = ("max_completion_tokens", "max_tokens")
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+# Client headers never passed upstream: a browser's (the upstream is not the site it came from) and the proxy's own.
+_NOT_FORWARDED = frozenset({"origin", "cookie", "referer", "x-forwarded-for"})
+_NOT_FORWARDED_BYTES = frozenset(name.encode("ascii") for name in _NOT_FORWARDED)
 
 
 @dataclass
@@ -166,12 +180,33 @@ def _hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
     return _HOP_BY_HOP_BYTES | named
 
 
-def _split_upstream(url: str) -> tuple[str, str, str]:
-    """``(base, origin, prefix)`` of the upstream's OpenAI base URL; a URL without a path means ``/v1``."""
-    parsed = urlsplit(url)
-    path = parsed.path.rstrip("/") or "/v1"
-    origin = f"{parsed.scheme}://{parsed.netloc}"
-    return origin + path, origin, path
+@dataclass(frozen=True)
+class Upstream:
+    """The upstream's OpenAI base URL without credentials: ``base`` (``http://host:8000/v1``), ``origin``
+    (``http://host:8000``), ``prefix`` (``/v1``; a URL without a path means ``/v1``), ``shown`` (for messages:
+    nothing secret), and ``basic``: the ``Authorization`` its userinfo stood for (``http://user:pass@host``), which
+    is sent as the upstream's credential and never shown."""
+
+    base: str
+    origin: str
+    prefix: str
+    shown: str
+    basic: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> Upstream:
+        parsed = urlsplit(url)
+        path = parsed.path.rstrip("/") or "/v1"
+        host = parsed.hostname or ""
+        netloc = f"[{host}]" if ":" in host else host
+        if parsed.port is not None:
+            netloc += f":{parsed.port}"
+        origin = f"{parsed.scheme}://{netloc}"
+        basic = None
+        if parsed.username is not None or parsed.password is not None:
+            pair = f"{unquote(parsed.username or '')}:{unquote(parsed.password or '')}"
+            basic = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+        return cls(base=origin + path, origin=origin, prefix=path, shown=safe_url(origin + path), basic=basic)
 
 
 async def _nothing() -> None:
@@ -223,12 +258,104 @@ def _actions(actions: Sequence[Action]) -> str:
     return quote(",".join(parts), safe=":,?-_.") or "none"
 
 
+_JSON_TYPES = ("application/json", "application/x-ndjson")
+_CORS_HEADERS = "authorization, content-type, x-conversation-id, openai-organization, openai-project"
+_EXPOSED = "x-contextkeeper-prompt-tokens, x-contextkeeper-messages-dropped, x-contextkeeper-actions, " + (
+    "x-contextkeeper-conversation, x-contextkeeper-fitted, server-timing, x-request-id"
+)
+
+
+def _json_type(value: str | None) -> bool:
+    """Whether a Content-Type is JSON (``application/json``, ``application/*+json``, any parameters)."""
+    kind = (value or "").split(";", 1)[0].strip().lower()
+    return kind in _JSON_TYPES or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def _plain_reply(status: int, message: str, code: str, *, type: str = "invalid_request_error") -> Response:
+    return Response(error_body(message, type=type, code=code), status_code=status, media_type="application/json")
+
+
+class _Guard:
+    """Every request's first check, before routing: its ``Host`` names this proxy (no DNS rebinding) and its
+    ``Origin``, when a browser sent one, is allowed (CORS: preflights answered here, allowed origins' answers
+    marked); everything else is refused in OpenAI's error shape."""
+
+    def __init__(self, app: ASGIApp, access: Access) -> None:
+        self.app = app
+        self.access = access
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        if not self.access.host_allowed(headers.get("host")):
+            message = (
+                f"Host {headers.get('host', '')[:100]!r} does not name this proxy. Fix: call it by an allowed name, "
+                "or add the name to allowed_hosts in the proxy's config"
+            )
+            await _plain_reply(421, message, "host_not_allowed")(scope, receive, send)
+            return
+        origin = headers.get("origin")
+        if origin is not None and not self.access.origin_allowed(origin):
+            message = (
+                f"requests from the web origin {origin[:100]!r} are not allowed (a page cannot call this proxy "
+                "with its credentials). Fix: add the origin to cors_origins in the proxy's config"
+            )
+            await _plain_reply(403, message, "origin_not_allowed")(scope, receive, send)
+            return
+        if origin is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+            preflight = Response(
+                status_code=204,
+                headers={
+                    "access-control-allow-origin": origin,
+                    "access-control-allow-methods": "GET, POST, OPTIONS",
+                    "access-control-allow-headers": headers.get("access-control-request-headers", _CORS_HEADERS),
+                    "access-control-max-age": "600",
+                    "vary": "Origin",
+                },
+            )
+            await preflight(scope, receive, send)
+            return
+
+        async def marked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"access-control-allow-origin", origin.encode("latin-1")),
+                    (b"access-control-expose-headers", _EXPOSED.encode("latin-1")),
+                    (b"vary", b"Origin"),
+                ]
+            await send(message)
+
+        await self.app(scope, receive, marked)
+
+
+async def _until_gone(receive: Receive) -> None:
+    """Returns when the client disconnects (the body has been read: the next ASGI message is the disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _Gone(Exception):
+    """The client of a chat request went away before its answer."""
+
+
 class Proxy:
     """The proxy's ASGI app (``proxy.app``) with its routes (one keeper per model entry) and observers.
 
-    ``upstream``: the server's OpenAI base URL (``http://127.0.0.1:8000/v1``). ``api_key``: the proxy's own key,
-    which clients must send as ``Authorization: Bearer <key>``; then the upstream gets ``upstream_api_key``
-    (or no key) instead. Without it the client's ``Authorization`` is forwarded (else ``upstream_api_key``).
+    ``upstream``: the server's OpenAI base URL (``http://127.0.0.1:8000/v1``; userinfo in it is the upstream's
+    credential, sent as Basic auth and never shown). ``access``: keys, tenants, hosts, origins and who reads the
+    metrics and debug views (:class:`~.access.Access`); ``api_key`` is the shortcut for one proxy key, which
+    clients must send as ``Authorization: Bearer <key>`` (then the upstream gets ``upstream_api_key``, its URL's
+    userinfo, or no key instead; without a proxy key the client's ``Authorization`` is forwarded, else those).
+    ``limits``: what one request may hold (:class:`~.limits.InputLimits`); ``forward``: ``METHOD /path`` globs
+    passed to the upstream besides :data:`~.access.DEFAULT_FORWARD` (``"*"``: every path).
     ``attempts``, ``backoff`` and ``max_backoff`` bound each chat request's retries as in ``keeper.wrap``;
     ``timeout`` is the seconds one upstream request may take."""
 
@@ -244,21 +371,39 @@ class Proxy:
         max_backoff: float = 8.0,
         timeout: float = 600.0,
         debug_conversations: int = 1024,
+        access: Access | None = None,
+        limits: InputLimits | None = None,
+        forward: Sequence[str] = (),
     ) -> None:
         from ..backends.calls import options
 
         if not routes:
             raise ValueError("a proxy needs at least one route (a model entry with its keeper)")
         self.routes = list(routes)
-        self.base, self.origin, self.prefix = _split_upstream(upstream)
-        self.upstream = upstream
-        self._api_key = api_key
-        self._upstream_key = upstream_api_key
+        self.target = Upstream.parse(upstream)
+        self.base, self.origin, self.prefix = self.target.base, self.target.origin, self.target.prefix
+        self.upstream = self.target.shown
+        if self.target.basic is not None and upstream_api_key is not None:
+            raise ConfigurationError(
+                "the upstream URL carries a user and password and upstream_api_key is set too: the upstream would "
+                "get one of two credentials. Fix: keep one (the URL's userinfo is sent as Basic auth)"
+            )
+        if access is None:
+            access = Access(
+                keys={"default": api_key} if api_key else {}, allowed_hosts=("localhost", "127.0.0.1", "::1")
+            )
+        elif api_key is not None:
+            raise ConfigurationError("give the proxy's key in access= or as api_key=, not both")
+        self.access = access
+        self.limits = limits or InputLimits()
+        self.forwarding = Forwarding(forward)
+        self._upstream_auth = f"Bearer {upstream_api_key}" if upstream_api_key else self.target.basic
         self.timeout = timeout
         self.options: Options = options(attempts=attempts, backoff=backoff, max_backoff=max_backoff)
         self.debug = DebugStore(debug_conversations)
         self.observers: list[Observer] = [self.debug]
         self.metrics: ProxyMetrics | None = None
+        self._unfitted_said: set[str] = set()
         try:
             from .metrics import ProxyMetrics
         except ImportError:  # prometheus-client is missing: /metrics says how to get it
@@ -268,39 +413,57 @@ class Proxy:
             self.observe(self.metrics)
         self._http: httpx2.AsyncClient | None = None
         self._backend: OpenAIBackend | None = None
-        self.app = Starlette(
-            routes=[
-                HTTPRoute("/v1/chat/completions", self.chat, methods=["POST"]),
-                HTTPRoute("/metrics", self.scrape, methods=["GET"]),
-                HTTPRoute("/contextkeeper/conversations", self.conversations, methods=["GET"]),
-                HTTPRoute("/contextkeeper/conversations/{conversation:path}", self.conversation, methods=["GET"]),
-                HTTPRoute("/{path:path}", self.forward, methods=_METHODS),
-            ],
-            lifespan=self._lifespan,
+        self.app = _Guard(
+            Starlette(
+                routes=[
+                    HTTPRoute("/v1/chat/completions", self.chat, methods=["POST"]),
+                    HTTPRoute("/metrics", self.scrape, methods=["GET"]),
+                    HTTPRoute("/contextkeeper/conversations", self.conversations, methods=["GET"]),
+                    HTTPRoute("/contextkeeper/conversations/{conversation:path}", self.conversation, methods=["GET"]),
+                    HTTPRoute("/{path:path}", self.forward, methods=_METHODS),
+                ],
+                lifespan=self._lifespan,
+            ),
+            access,
         )
 
     @classmethod
-    def from_config(cls, config: ProxyConfig) -> Proxy:
-        """A proxy from validated settings; builds a keeper per model entry (a ProxyConfigError names the entry
-        whose keeper cannot be built)."""
-        if config.upstream is None:
-            from .config import ProxyConfigError
+    def from_config(cls, config: ProxyConfig, *, host: str = "127.0.0.1") -> Proxy:
+        """A proxy from validated settings, served on ``host``; builds a keeper per model entry (a
+        ProxyConfigError names the entry whose keeper cannot be built, or a setting that cannot hold)."""
+        from .config import ProxyConfigError
 
+        if config.upstream is None:
             raise ProxyConfigError(
                 f"{config.source}: no upstream. Fix: pass --upstream URL (the server's OpenAI base URL, e.g. "
                 'http://127.0.0.1:8000/v1) or set upstream = "..." in the config'
             )
-        return cls(
-            build_routes(config),
-            upstream=config.upstream,
-            api_key=config.api_key,
-            upstream_api_key=config.upstream_api_key,
-            attempts=config.attempts,
-            backoff=config.backoff,
-            max_backoff=config.max_backoff,
-            timeout=config.timeout,
-            debug_conversations=config.debug_conversations,
-        )
+        access = config.access(host)
+        if not access.keyed and not loopback_host(host) and not config.allow_unauthenticated:
+            raise ProxyConfigError(
+                f"{config.source}: the proxy would listen on {host}, beyond this machine, without a key of its own: "
+                "anyone who reaches it could use the upstream (and its key). Fix: set a proxy key (--api-key, "
+                "$CONTEXTKEEPER_PROXY_API_KEY, api_key or [api_keys] in the config), or set "
+                "allow_unauthenticated = true (--allow-unauthenticated) when something in front authenticates"
+            )
+        try:
+            return cls(
+                build_routes(config),
+                upstream=config.upstream,
+                upstream_api_key=config.upstream_api_key,
+                attempts=config.attempts,
+                backoff=config.backoff,
+                max_backoff=config.max_backoff,
+                timeout=config.timeout,
+                debug_conversations=config.debug_conversations,
+                access=access,
+                limits=config.input_limits(),
+                forward=config.forward,
+            )
+        except ProxyConfigError:
+            raise
+        except ConfigurationError as exc:
+            raise ProxyConfigError(f"{config.source}: {exc}") from None
 
     def observe(self, observer: Observer) -> None:
         """Call ``observer`` with every finished chat exchange (the one place a fit and a call are seen)."""
@@ -335,7 +498,12 @@ class Proxy:
         self._backend = OpenAIBackend(sdk, create=_chat_sender(sdk))
         for route in self.routes:
             if route.entry.server == "auto" and route.keeper.detection is None:  # ask the upstream which it is
-                probe = openai.AsyncOpenAI(base_url=self.base, api_key=self._upstream_key or "unused", max_retries=0)
+                probe = openai.AsyncOpenAI(
+                    base_url=self.base,
+                    api_key="unused",
+                    max_retries=0,
+                    default_headers={"Authorization": self._upstream_auth} if self._upstream_auth else None,
+                )
                 await anyio.to_thread.run_sync(route.keeper.wrap, probe)
         try:
             yield
@@ -345,16 +513,18 @@ class Proxy:
                 route.keeper.close()
 
     # ------------------------------------------------------------------------------------------- auth
-    def _denied(self, request: Request) -> Response | None:
-        """A 401 unless the request carries the proxy's key (when it has one)."""
-        if self._api_key is None:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
-            return None
+    def _caller(self, request: Request) -> Caller | Response:
+        """Who sent ``request``, or the 401 (or 400) to answer when its key does not pass."""
+        client = request.client.host if request.client is not None else None
+        try:
+            caller = self.access.caller(request.headers.get("authorization"), request.headers, client)
+        except RequestRejected as exc:
+            return _plain_reply(exc.status, str(exc), exc.code)
+        if caller is not None:
+            return caller
         message = (
-            "this proxy needs its API key: send Authorization: Bearer <key>, with the key it was started with "
-            "(--api-key, $CONTEXTKEEPER_PROXY_API_KEY or api_key in its config)"
+            "this proxy needs its API key: send Authorization: Bearer <key>, with a key it was started with "
+            "(--api-key, $CONTEXTKEEPER_PROXY_API_KEY, api_key or [api_keys] in its config)"
         )
         return Response(
             error_body(message, type="invalid_request_error", code="invalid_api_key"),
@@ -364,65 +534,80 @@ class Proxy:
         )
 
     def _authorization(self, request: Request) -> str | None:
-        """The Authorization the upstream gets: the client's, unless the proxy has a key of its own."""
-        given = None if self._api_key is not None else request.headers.get("authorization")
-        if given:
+        """The Authorization the upstream gets: the client's, unless the proxy has keys of its own (or the caller
+        used the admin key); else the upstream's own credential (upstream_api_key, or its URL's userinfo)."""
+        given = request.headers.get("authorization")
+        if given and not self.access.keyed and not self._is_admin_key(given):
             return given
-        return f"Bearer {self._upstream_key}" if self._upstream_key else None
+        return self._upstream_auth
+
+    def _is_admin_key(self, authorization: str) -> bool:
+        caller = self.access.caller(authorization, {}, None) if self.access.admin_key else None
+        return caller is not None and caller.admin
 
     # ------------------------------------------------------------------------------------------- chat
+    def _read_chat(self, raw: bytes, headers: Mapping[str, str], caller: Caller) -> tuple[dict[str, Any], Identity]:
+        """A chat body parsed and checked, and its conversation (on a worker thread when the body is large)."""
+        body = check_chat(parse_json(raw, self.limits), self.limits)
+        try:
+            identity = identify(headers, body, caller.tenant)
+        except ValueError as exc:
+            raise RequestRejected(str(exc), code="invalid_conversation") from None
+        return body, identity
+
     async def chat(self, request: Request) -> Response:
         started = time.perf_counter()
-        denied = self._denied(request)
-        if denied is not None:
-            self._done(None, None, None, False, 401, None, None, "invalid_api_key", started)
-            return denied
+        caller = self._caller(request)
+        if isinstance(caller, Response):
+            self._done(None, None, None, False, caller.status_code, None, None, "invalid_api_key", started)
+            return caller
         try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            return self._refuse(started, f"the request body is not JSON ({exc})", "invalid_json")
-        if not isinstance(body, dict):
-            return self._refuse(started, "the request body must be a JSON object", "invalid_json")
-        messages = body.get("messages")
+            if not _json_type(request.headers.get("content-type")):
+                raise RequestRejected(
+                    f"a chat request's body must be sent as Content-Type: application/json, not "
+                    f"{request.headers.get('content-type', 'none')[:60]!r}",
+                    status=415,
+                    code="unsupported_media_type",
+                    fix="send the body as JSON with Content-Type: application/json",
+                )
+            raw = await read_body(request.headers, request.stream(), self.limits)
+            if len(raw) > OFF_LOOP_BYTES:  # parsing and checking a large body must not stall other clients
+                body, identity = await anyio.to_thread.run_sync(self._read_chat, raw, request.headers, caller)
+            else:
+                body, identity = self._read_chat(raw, request.headers, caller)
+        except RequestRejected as exc:
+            return self._refuse(started, exc, caller)
+        del raw
         model = body.get("model")
-        if not isinstance(messages, list):
-            return self._refuse(started, "messages must be a list of chat messages", "invalid_messages", "messages")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            return self._refuse(started, "tools must be a list of tool schemas", "invalid_tools", "tools")
-        for key in _ANSWER_KEYS:
-            value = body.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                return self._refuse(started, f"{key} must be a whole number >= 1, got {value!r}", "invalid_" + key, key)
         route = self.route_for(model if isinstance(model, str) else "")
         if route is None:
             names = "; ".join(route.name for route in self.routes)
-            return self._refuse(
-                started,
-                f"no model entry of this proxy takes model {model!r} (entries: {names}). Fix: add a [[models]] "
+            rejected = RequestRejected(
+                f"no model entry of this proxy takes model {model!r:.100} (entries: {names}). Fix: add a [[models]] "
                 'entry whose match covers it, or a last entry with match = "*"',
-                "model_not_configured",
-                "model",
+                code="model_not_configured",
+                param="model",
             )
-        try:
-            identity = identify(request.headers, body)
-        except InvalidConversation as exc:
-            return self._refuse(started, str(exc), "invalid_conversation")
-        stream = bool(body.get("stream"))
+            return self._refuse(started, rejected, caller)
+        stream = body.get("stream") is True
         call = _ProxyCall(
             calls_of(route.keeper),
             self._sender(),
-            dataclasses.replace(self.options, conversation=identity.id),
-            messages,
-            tools,
+            dataclasses.replace(self.options, conversation=identity.key),
+            body["messages"],
+            body.get("tools"),
             self._params(body, request),
         )
         seen = _Seen()
         token = _UPSTREAM.set(seen)
         try:
-            result = await call_async(call)
+            result = await self._unless_gone(request, call)
+        except _Gone:
+            error = "client_gone: the client left before the answer; the call was cancelled and its KV room freed"
+            self._done(identity, model, route, stream, 499, call.fit, call.report, error, started, timed=call)
+            return Response(status_code=499)
         except BaseException as exc:
-            if not isinstance(exc, Exception):  # cancelled: the client went away before the answer
+            if not isinstance(exc, Exception):  # cancelled: the server is shutting down
                 self._done(identity, model, route, stream, 499, call.fit, call.report, "cancelled", started, timed=call)
                 raise
             reply = error_reply(exc)
@@ -444,6 +629,24 @@ class Proxy:
         self._done(identity, model, route, False, 200, call.fit, call.report, None, started, timed=call)
         return Response(data, headers=headers, media_type="application/json")
 
+    @staticmethod
+    async def _unless_gone(request: Request, call: _ProxyCall) -> Any:
+        """The call's result, or :class:`_Gone` as soon as its client disconnects (the call is cancelled: a
+        queued admission leaves the queue, a held one gives its tokens back, a request upstream is aborted)."""
+        work = asyncio.ensure_future(call_async(call))
+        watch = asyncio.ensure_future(_until_gone(request.receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, watch):
+                if not task.done():
+                    task.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        with contextlib.suppress(BaseException):
+            await work  # its own error handling frees what it held
+        raise _Gone()
+
     def _sender(self) -> OpenAIBackend:
         if self._backend is None:
             raise RuntimeError("the proxy is not started: serve proxy.app with an ASGI server that runs its lifespan")
@@ -459,10 +662,14 @@ class Proxy:
         extra = {key: value for key, value in body.items() if key not in _NAMED and key != "messages"}
         if extra:
             params["extra_body"] = extra
+        drop = {name.decode("latin-1") for name in _hop_by_hop(request.headers.raw)}
         headers: dict[str, Any] = {
             key: value
             for key, value in request.headers.items()
-            if key not in HOP_BY_HOP and key not in _SDK_SETS and not key.startswith("x-stainless-")
+            if key not in drop
+            and key not in _SDK_SETS
+            and key not in _NOT_FORWARDED
+            and not key.startswith("x-stainless-")
         }
         authorization = self._authorization(request)
         headers["Authorization"] = authorization if authorization else openai.Omit()
@@ -514,11 +721,12 @@ class Proxy:
                 await stream.close()  # the call ends, and gives its admission back
             self._done(identity, model, route, True, 200, call.fit, call.report, error, started, chunks, timed=call)
 
-    def _refuse(self, started: float, message: str, code: str, param: str | None = None) -> Response:
-        self._done(None, None, None, False, 400, None, None, f"{code}: {message}", started)
+    def _refuse(self, started: float, exc: RequestRejected, caller: Caller | None = None) -> Response:
+        """A request refused before the keeper saw it: nothing of it is kept but the refusal."""
+        self._done(None, None, None, False, exc.status, None, None, f"{exc.code}: {exc}"[:500], started)
         return Response(
-            error_body(message, type="invalid_request_error", code=code, param=param),
-            status_code=400,
+            error_body(str(exc), type="invalid_request_error", code=exc.code, param=exc.param),
+            status_code=exc.status,
             media_type="application/json",
         )
 
@@ -541,6 +749,7 @@ class Proxy:
         exchange = Exchange(
             conversation=identity.id if identity is not None else None,
             conversation_source=identity.source if identity is not None else None,
+            tenant=identity.tenant if identity is not None else None,
             model=model if isinstance(model, str) else None,
             route=route.name if route is not None else None,
             stream=stream,
@@ -552,6 +761,7 @@ class Proxy:
             chunks=chunks,
             fit_seconds=tuple(timed.fit_seconds) if timed is not None else (),
             upstream_seconds=timed.upstream_seconds if timed is not None else None,
+            sent=timed.sent if timed is not None else 0,
         )
         for observer in self.observers:
             try:
@@ -560,60 +770,75 @@ class Proxy:
                 log.exception("a proxy observer failed on an exchange")
 
     # ---------------------------------------------------------------------------------------- metrics
+    def _admitted(self, request: Request, scope: str) -> Caller | Response:
+        """The caller of a metrics or debug request, when ``scope`` lets it in; else the answer to give."""
+        client = request.client.host if request.client is not None else None
+        loopback = client is not None and loopback_host(client)
+        if scope == "loopback" and loopback and not self.access.keyed:
+            return Caller("admin", admin=True, loopback=True)
+        caller = self._caller(request)
+        if isinstance(caller, Response):
+            if scope == "loopback" and loopback:  # this machine's scraper needs no key
+                return Caller("admin", admin=True, loopback=True)
+            return caller
+        if self.access.may(scope, caller):  # type: ignore[arg-type]
+            return caller
+        where = {
+            "loopback": "from this machine (loopback) or with the admin key",
+            "admin": "with the admin key",
+            "off": "by nobody: it is switched off",
+        }.get(scope, "with the admin key")
+        return _plain_reply(403, f"this endpoint is served only {where}", "forbidden", type="permission_error")
+
     async def scrape(self, request: Request) -> Response:
         """``GET /metrics``: the proxy's own Prometheus metrics (the upstream's own /metrics is not forwarded)."""
-        denied = self._denied(request)
-        if denied is not None:
-            return denied
+        caller = self._admitted(request, self.access.metrics)
+        if isinstance(caller, Response):
+            return caller
         metrics = self.metrics
         if metrics is None:
             message = (
                 "the proxy's metrics need prometheus-client, which is not installed. Fix: pip install "
                 "'contextkeeper[proxy]' (or prometheus-client) and restart the proxy"
             )
-            return Response(
-                error_body(message, type="server_error", code="metrics_unavailable"),
-                status_code=501,
-                media_type="application/json",
-            )
+            return _plain_reply(501, message, "metrics_unavailable", type="server_error")
         # Off the loop: a Redis ledger's gauges are read over the network.
         body, content_type = await anyio.to_thread.run_sync(metrics.render, request.headers.get("accept"))
         return Response(body, headers={"content-type": content_type})
 
     # ------------------------------------------------------------------------------------------ debug
     async def conversation(self, request: Request) -> Response:
-        denied = self._denied(request)
-        if denied is not None:
-            return denied
+        caller = self._admitted(request, self.access.debug)
+        if isinstance(caller, Response):
+            return caller
         name = request.path_params["conversation"]
-        exchange = self.debug.get(name)
+        tenant = caller.tenant
+        if caller.admin and "/" in name:  # the admin names a conversation as tenant/id (what its listing shows)
+            tenant, _, name = name.partition("/")
+        exchange = self.debug.get(tenant, name)
         if exchange is None:
             message = (
-                f"no exchange of conversation {name!r} is remembered (the proxy keeps the latest of "
-                f"{self.debug.size:,} conversations). Fix: check the id in the X-Contextkeeper-Conversation header"
+                f"no exchange of conversation {name[:300]!r} is remembered for this caller (the proxy keeps the latest "
+                f"of {self.debug.size:,} conversations). Fix: check the id in the X-Contextkeeper-Conversation header"
             )
-            return Response(
-                error_body(message, type="invalid_request_error", code="unknown_conversation"),
-                status_code=404,
-                media_type="application/json",
-            )
+            return _plain_reply(404, message, "unknown_conversation")
         try:
             data = _json(exchange.to_dict())
         except (TypeError, ValueError) as exc:  # a report field that is not JSON: say which, do not hide it
             log.exception("the exchange of conversation %r cannot be shown as JSON", name)
             message = f"the exchange of conversation {name!r} cannot be shown as JSON: {type(exc).__name__}: {exc}"
-            return Response(
-                error_body(message, type="server_error", code="report_not_json"),
-                status_code=500,
-                media_type="application/json",
-            )
+            return _plain_reply(500, message, "report_not_json", type="server_error")
         return Response(data, media_type="application/json")
 
     async def conversations(self, request: Request) -> Response:
-        denied = self._denied(request)
-        if denied is not None:
-            return denied
-        return Response(_json({"conversations": self.debug.conversations()}), media_type="application/json")
+        caller = self._admitted(request, self.access.debug)
+        if isinstance(caller, Response):
+            return caller
+        listed = self.debug.conversations(None if caller.admin else caller.tenant)
+        if caller.admin:
+            names = [f"{item['tenant']}/{item['conversation']}" for item in listed if isinstance(item, dict)]
+            return Response(_json({"conversations": names}), media_type="application/json")
+        return Response(_json({"conversations": listed}), media_type="application/json")
 
     # ---------------------------------------------------------------------------------------- forward
     def _target(self, path: str, query: str) -> str:
@@ -622,15 +847,63 @@ class Proxy:
         url = self.base + path[len("/v1") :] if under else self.origin + path
         return f"{url}?{query}" if query else url
 
+    def _checked_path(self, request: Request) -> str:
+        """The request's path, refused when it is too long, holds control characters or dot segments, or is not on
+        the forwarding allowlist."""
+        raw = request.scope.get("raw_path") or request.url.path.encode("utf-8", "surrogateescape")
+        query = request.scope.get("query_string", b"")
+        if len(raw) + len(query) > self.limits.path_bytes:
+            raise RequestRejected(
+                f"the path and query take {len(raw) + len(query):,} bytes; this proxy forwards at most "
+                f"{self.limits.path_bytes:,}",
+                status=414,
+                code="path_too_long",
+                fix="raise limits.path_bytes in the proxy's config",
+            )
+        path = request.url.path
+        segments = path.split("/")
+        if (
+            not path.startswith("/")
+            or any(not char.isprintable() for char in path)
+            or "\\" in path
+            or any(segment in (".", "..") for segment in segments)
+            or "//" in path
+        ):
+            raise RequestRejected(
+                f"the path {path[:200]!r} holds control characters, backslashes or dot segments",
+                code="invalid_path",
+            )
+        if not self.forwarding.allows(request.method, path):
+            raise RequestRejected(
+                f"{request.method} {path[:200]} is not forwarded by this proxy (only OpenAI-compatible client routes "
+                "are, by default)",
+                status=404,
+                code="route_not_forwarded",
+                fix=f'add "{request.method} {path[:200]}" to forward = [...] in the proxy config',
+            )
+        return path
+
     async def forward(self, request: Request) -> Response:
-        """Any other request, passed on unchanged and its answer streamed back as it comes."""
+        """Any other allowlisted request, passed on unchanged and its answer streamed back as it comes."""
         import httpx2
 
-        denied = self._denied(request)
-        if denied is not None:
-            return denied
+        caller = self._caller(request)
+        if isinstance(caller, Response):
+            return caller
+        try:
+            path = self._checked_path(request)
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.strip().isdigit() and int(declared) > self.limits.body_bytes:
+                raise RequestRejected(
+                    f"the request body is {int(declared):,} bytes; this proxy takes at most {self.limits.body_bytes:,}",
+                    status=413,
+                    code="body_too_large",
+                    fix="raise limits.body_bytes in the proxy's config",
+                )
+        except RequestRejected as exc:
+            return _plain_reply(exc.status, str(exc), exc.code)
         assert self._http is not None, "the proxy is not started"
-        drop = _hop_by_hop(request.headers.raw) | {b"authorization"}
+        drop = _hop_by_hop(request.headers.raw) | {b"authorization"} | _NOT_FORWARDED_BYTES
         headers = [(key, value) for key, value in request.headers.raw if key.lower() not in drop]
         authorization = self._authorization(request)
         if authorization:
@@ -638,25 +911,50 @@ class Proxy:
         has_body = "content-length" in request.headers or "transfer-encoding" in request.headers
         outgoing = self._http.build_request(
             request.method,
-            self._target(request.url.path, request.url.query),
+            self._target(path, request.url.query),
             headers=headers,
-            content=request.stream() if has_body else None,
+            content=self._bounded(request.stream()) if has_body else None,
         )
         try:
             response = await self._http.send(outgoing, stream=True)
+        except RequestRejected as exc:
+            return _plain_reply(exc.status, str(exc), exc.code)
         except httpx2.TimeoutException as exc:
-            return self._unreachable(504, f"the upstream did not answer in time: {type(exc).__name__}: {exc}")
+            return self._unreachable(504, f"the upstream did not answer in time: {type(exc).__name__}")
         except httpx2.HTTPError as exc:
             return self._unreachable(502, f"the upstream cannot be reached: {type(exc).__name__}: {exc}")
         relay = _Relay(response.aiter_raw(), close=response.aclose, status_code=response.status_code)
-        drop = _hop_by_hop(response.headers.raw)
+        drop = _hop_by_hop(response.headers.raw) | {b"date", b"server"}  # the proxy's own server sets these
         relay.raw_headers = [(key, value) for key, value in response.headers.raw if key.lower() not in drop]
+        unfitted = UNFITTED.get(path[len("/v1") :] if path.startswith("/v1/") else path) or UNFITTED.get(path)
+        if unfitted is not None:
+            relay.raw_headers.append((b"x-contextkeeper-fitted", f"no ({unfitted} is passed through)".encode()))
+            if path not in self._unfitted_said:
+                self._unfitted_said.add(path)
+                log.warning(
+                    "%s %s is forwarded unfitted: the keeper reads chat completions only, not %s (no trimming, "
+                    "admission or transcript for it)",
+                    request.method,
+                    path,
+                    unfitted,
+                )
         return relay
 
+    async def _bounded(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A forwarded body, passed on as it arrives, cut off with a 413 past ``limits.body_bytes``."""
+        size = 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > self.limits.body_bytes:
+                raise RequestRejected(
+                    f"the request body is over {self.limits.body_bytes:,} bytes, the most this proxy takes",
+                    status=413,
+                    code="body_too_large",
+                    fix="raise limits.body_bytes in the proxy's config",
+                )
+            yield chunk
+
     def _unreachable(self, status: int, message: str) -> Response:
-        fix = f"{message}. Fix: check that the server at {self.base} is running and reachable from the proxy"
-        return Response(
-            error_body(fix, type="server_error", code="upstream_unavailable"),
-            status_code=status,
-            media_type="application/json",
-        )
+        text = safe_url(message).replace(self.base, self.upstream)
+        fix = f"{text}. Fix: check that the server at {self.upstream} is running and reachable from the proxy"
+        return _plain_reply(status, fix, "upstream_unavailable", type="server_error")

@@ -7,6 +7,17 @@ api_key = "..."                           # the proxy's own key: clients must se
 upstream_api_key = "..."                  # then the upstream gets this one instead of the client's
 attempts = 4                              # calls per request, the first included (as keeper.wrap(attempts=))
 backoff = 0.5                             # seconds before the first transport retry; doubles each time
+admin_key = "..."                         # reads every tenant's debug views and the metrics
+forward = ["GET /slots"]                  # upstream paths passed on besides the OpenAI-compatible ones
+
+[api_keys]                                # named proxy keys: each name is a tenant (instead of api_key)
+team-a = "..."
+
+[limits]                                  # what one request may hold (docs/proxy.md, "Security")
+body_bytes = 16777216
+
+[connections]                             # how long and how much the HTTP server waits for one client
+header_timeout = 10.0
 
 [[models]]
 match = "qwen*"                           # the request's "model": a name or glob, or a list of them
@@ -35,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from .._exceptions import ConfigurationError, ContextKeeperError
 from ..strategies._settings import Settings
@@ -47,6 +58,9 @@ else:  # pragma: no cover
 
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper
+    from ._protocol import ServerLimits
+    from .access import Access
+    from .limits import InputLimits
 
 __all__ = ["ModelEntry", "ProxyConfig", "ProxyConfigError", "Route", "build_routes", "default_config", "load_config"]
 
@@ -145,6 +159,30 @@ class ProxyConfig(Settings):
     max_backoff: float = Field(default=8.0, ge=0)
     timeout: float = Field(default=600.0, gt=0)
     debug_conversations: int = Field(default=1024, ge=1)
+    api_keys: dict[str, str] | None = Field(
+        default=None, json_schema_extra={"allowed": "a table of tenant name = key (names without '/')"}
+    )
+    admin_key: str | None = Field(default=None, min_length=1)
+    tenant_header: str | None = Field(default=None, min_length=1)
+    allowed_hosts: tuple[str, ...] | None = Field(
+        default=None, json_schema_extra={"allowed": "host names or globs this proxy is called by ('*': any)"}
+    )
+    cors_origins: tuple[str, ...] = Field(
+        default=(), json_schema_extra={"allowed": "web origins (https://app.example) allowed to call the proxy"}
+    )
+    metrics: Literal["loopback", "admin", "any", "off"] = "loopback"
+    debug: Literal["tenant", "admin", "off"] = "tenant"
+    forward: tuple[str, ...] = Field(
+        default=(), json_schema_extra={"allowed": "'METHOD /path' globs (or '/path', '*') forwarded upstream"}
+    )
+    allow_unauthenticated: bool = False
+    limits: dict[str, int] | None = Field(
+        default=None, json_schema_extra={"allowed": "a [limits] table: body_bytes, messages, message_chars, ..."}
+    )
+    connections: dict[str, float] | None = Field(
+        default=None,
+        json_schema_extra={"allowed": "a [connections] table: header_timeout, body_timeout, max_connections, ..."},
+    )
     models: tuple[ModelEntry, ...] = Field(min_length=1, json_schema_extra={"allowed": "a list of [[models]] tables"})
     # Where the settings came from (a file, or "flags"), and the folder relative paths are read from.
     _source: str = PrivateAttr(default="flags")
@@ -165,15 +203,113 @@ class ProxyConfig(Settings):
             raise ValueError("not an http:// or https:// URL")
         return value
 
-    def __repr__(self) -> str:  # never show keys
-        hidden = {"api_key", "upstream_api_key"}  # never shown, in logs or errors
-        fields = ", ".join(
-            f"{name}={'***' if name in hidden and getattr(self, name) else repr(getattr(self, name))}"
-            for name in type(self).model_fields
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        from .access import tenant_name
+
+        for name, key in (value or {}).items():
+            tenant_name(name, f"the tenant name {name[:40]!r}")
+            if not key:
+                raise ValueError(f"the key of {name!r} is empty")
+        if value is not None and len(set(value.values())) != len(value):
+            raise ValueError("two tenants share one key")
+        return value
+
+    @field_validator("limits")
+    @classmethod
+    def _limits(cls, value: dict[str, int] | None) -> dict[str, int] | None:
+        from .limits import InputLimits
+
+        if value is not None:
+            _known(value, InputLimits.__dataclass_fields__, "limit")
+            InputLimits(**value)  # a value out of range is a ValueError here
+        return value
+
+    @field_validator("connections")
+    @classmethod
+    def _connections(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        from ._protocol import ServerLimits
+
+        if value is not None:
+            _known(value, ServerLimits.__dataclass_fields__, "setting")
+            try:
+                _server_limits(value)
+            except ConfigurationError as exc:
+                raise ValueError(str(exc).partition(". Fix:")[0]) from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_kind_of_key(self) -> ProxyConfig:
+        if self.api_key is not None and self.api_keys:
+            raise ValueError("api_key and [api_keys] are both set: give one key, or named keys per tenant")
+        return self
+
+    def access(self, host: str = "127.0.0.1") -> Access:
+        """Who may call the proxy (see :class:`~.access.Access`), for a proxy listening on ``host``: without
+        ``allowed_hosts``, the loopback names when it listens on loopback, any name otherwise."""
+        from .access import Access, loopback_host
+
+        keys = dict(self.api_keys or {})
+        if self.api_key is not None:
+            keys["default"] = self.api_key
+        hosts = self.allowed_hosts
+        if hosts is None:
+            hosts = ("localhost", "127.0.0.1", "::1") if loopback_host(host) else ("*",)
+        return Access(
+            keys=keys,
+            admin_key=self.admin_key,
+            tenant_header=self.tenant_header.lower() if self.tenant_header else None,
+            allowed_hosts=hosts,
+            cors_origins=self.cors_origins,
+            metrics=self.metrics,
+            debug=self.debug,
         )
-        return f"ProxyConfig({fields})"
+
+    def input_limits(self) -> InputLimits:
+        from .limits import InputLimits
+
+        return InputLimits(**(self.limits or {}))
+
+    def server_limits(self) -> ServerLimits:
+        return _server_limits(self.connections or {})
+
+    def __repr__(self) -> str:  # never show keys
+        from .._redis import safe_url
+
+        hidden = {"api_key", "upstream_api_key", "admin_key"}  # never shown, in logs or errors
+        shown: dict[str, Any] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if name in hidden and value:
+                value = "***"
+            elif name == "api_keys" and value:
+                value = dict.fromkeys(value, "***")
+            elif name == "upstream" and value:
+                value = safe_url(value)
+            shown[name] = value
+        return f"ProxyConfig({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
 
     __str__ = __repr__
+
+
+def _known(given: Mapping[str, Any], names: Mapping[str, Any], what: str) -> None:
+    """A ValueError naming the keys of a table (``[limits]``, ``[connections]``) that are not among ``names``."""
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {', '.join(unknown)}; the {what}s are {', '.join(names)}")
+
+
+def _server_limits(values: Mapping[str, float]) -> ServerLimits:
+    """:class:`ServerLimits` from a ``[connections]`` table (TOML numbers; the whole-number settings must be whole)."""
+    from ._protocol import ServerLimits
+
+    kinds = {field.name: field.type for field in ServerLimits.__dataclass_fields__.values()}
+    given: dict[str, Any] = {}
+    for key, value in values.items():
+        whole = kinds.get(key) in (int, "int")
+        given[key] = int(value) if whole and float(value).is_integer() else value
+    return ServerLimits(**given)
 
 
 # ------------------------------------------------------------------------------------------------ files

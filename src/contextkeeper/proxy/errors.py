@@ -5,7 +5,9 @@ A request the keeper cannot fit (too large on its own, malformed messages, a tem
 the keeper's message. An upstream error that the keeper passes back unchanged (a 401, a 404, a 400 that is no
 refusal for length) keeps its status and its body. What the keeper gave up on after its retries keeps the
 upstream's status (a 503 stays a 503; a timeout is a 504, a connection that failed a 502) with the keeper's
-message, which says what was tried.
+message, which says what was tried. An upstream's ``Retry-After`` (a 429's, a 503's) is passed on. What fails on our
+side of the proxy (the KV ledger's Redis, the shared state's Redis, the transcript's Postgres) is a 503 with its own
+code, never blamed on the upstream.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ from .._exceptions import (
     InvariantViolation,
     MessageError,
     OutOfMemory,
+    RequestRejected,
     RequestTooLarge,
+    TranscriptUnavailable,
     TransportError,
 )
 from ..ledger import AdmissionTimeout, ExceedsCapacity
+from ..redis_ledger import LedgerUnavailable
+from ..shared import SharedUnavailable
 
 __all__ = ["ErrorReply", "error_body", "error_reply"]
 
@@ -63,6 +69,10 @@ _KINDS: dict[type[BaseException], _Kind] = {
     AdmissionTimeout: _Kind(503, "server_error", "kv_capacity_busy", retry_after="1"),
     ContextLengthExceeded: _Kind(400, "invalid_request_error", "context_length_exceeded", "messages", True),
     OutOfMemory: _Kind(503, "server_error", "out_of_memory"),
+    # Ours, not the upstream's: the proxy's own stores (checked before TransportError, their base, along the MRO).
+    LedgerUnavailable: _Kind(503, "server_error", "ledger_unavailable", retry_after="1"),
+    SharedUnavailable: _Kind(503, "server_error", "shared_state_unavailable", retry_after="1"),
+    TranscriptUnavailable: _Kind(503, "server_error", "transcript_unavailable", retry_after="1"),
     TransportError: _Kind(502, "server_error", "upstream_unavailable", upstream_status=True),
     InvariantViolation: _Kind(500, "server_error", "invariant_violation"),
 }
@@ -92,6 +102,21 @@ def _upstream_status(exc: BaseException) -> int | None:
     return None
 
 
+def _retry_after(exc: BaseException) -> str | None:
+    """The upstream's ``Retry-After`` behind ``exc`` (walking its causes), as it sent it."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        response: Any = getattr(cause, "response", None)
+        headers = getattr(response, "headers", None)
+        value = headers.get("retry-after") if headers is not None else None
+        if isinstance(value, str) and value.strip() and len(value) < 64 and value.isprintable():
+            return value.strip()
+        cause = cause.__cause__ or getattr(cause, "cause", None)
+    return None
+
+
 def _passed_back(exc: BaseException) -> ErrorReply | None:
     """An upstream HTTP error the keeper does not act on (openai's APIStatusError): its status and body as sent."""
     status = getattr(exc, "status_code", None)
@@ -100,6 +125,9 @@ def _passed_back(exc: BaseException) -> ErrorReply | None:
         return None
     content = getattr(response, "content", b"") or b""
     headers = {"content-type": response.headers.get("content-type", "application/json")}
+    retry = _retry_after(exc)
+    if retry is not None:
+        headers["retry-after"] = retry
     if not content:
         content = error_body(str(exc), type="upstream_error", code=str(status))
         headers["content-type"] = "application/json"
@@ -108,6 +136,13 @@ def _passed_back(exc: BaseException) -> ErrorReply | None:
 
 def error_reply(exc: BaseException) -> ErrorReply:
     """The answer to a chat request that raised ``exc``."""
+    if isinstance(exc, RequestRejected):
+        return ErrorReply(
+            status=exc.status,
+            body=error_body(str(exc), type="invalid_request_error", code=exc.code, param=exc.param),
+            headers={},
+            code=exc.code,
+        )
     for klass in type(exc).__mro__:
         kind = _KINDS.get(klass)
         if kind is None:
@@ -116,6 +151,10 @@ def error_reply(exc: BaseException) -> ErrorReply:
         if kind.upstream_status:
             status = _upstream_status(exc) or status
         headers = {"retry-after": kind.retry_after} if kind.retry_after else {}
+        if kind.upstream_status:
+            retry = _retry_after(exc)
+            if retry is not None:
+                headers["retry-after"] = retry
         message = " ".join(str(exc).split()) or type(exc).__name__
         return ErrorReply(
             status=status,

@@ -4,6 +4,10 @@ what it costs alone, and the debug endpoint shows its latest fit.
 In order: the ``X-Conversation-Id`` header, the request's ``user``, its ``prompt_cache_key``, else a hash of the
 conversation's opening (every message up to and including the first user message: the system prompt and the
 first question), which stays the same as the chat grows turn by turn.
+
+Every id belongs to a tenant (see :mod:`.access`): the keeper's session and the transcript are keyed by
+``<tenant>/<id>``, so two tenants that send the same id, or chats that open the same way, never share a
+conversation. A derived id hashes the tenant and the ``user`` with the opening.
 """
 
 from __future__ import annotations
@@ -27,10 +31,16 @@ class InvalidConversation(ValueError):
 
 @dataclass(frozen=True)
 class Identity:
-    """A conversation id and where it came from: ``header``, ``user``, ``prompt_cache_key`` or ``derived``."""
+    """A conversation id and where it came from: ``header``, ``user``, ``prompt_cache_key`` or ``derived``;
+    ``tenant``: whose it is. ``key`` is what the keeper and the transcript know it by."""
 
     id: str
     source: str
+    tenant: str = "anonymous"
+
+    @property
+    def key(self) -> str:
+        return f"{self.tenant}/{self.id}"
 
     @property
     def header_value(self) -> str:
@@ -54,8 +64,8 @@ def _given(value: Any, what: str) -> str | None:
     return text
 
 
-def identify(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
-    """The conversation of a chat request (see the module docstring)."""
+def identify(headers: Mapping[str, str], body: Mapping[str, Any], tenant: str = "anonymous") -> Identity:
+    """The conversation of a chat request of ``tenant`` (see the module docstring)."""
     for source, value, what in (
         ("header", headers.get(HEADER), "the X-Conversation-Id header"),
         ("user", body.get("user"), "the request's user"),
@@ -63,16 +73,19 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
     ):
         given = _given(value, what)
         if given is not None:
-            return Identity(given, source)
-    return Identity(derived(body.get("messages")), "derived")
+            return Identity(given, source, tenant)
+    user = body.get("user")
+    return Identity(derived(body.get("messages"), tenant=tenant, user=user), "derived", tenant)
 
 
-def derived(messages: Any) -> str:
-    """A stable id from the conversation's opening: the messages up to and including the first user message."""
+def derived(messages: Any, *, tenant: str = "anonymous", user: Any = None) -> str:
+    """A stable id from the conversation's opening (the messages up to and including the first user message),
+    its tenant and its ``user``."""
     opening: list[Any] = []
     for message in messages if isinstance(messages, list) else ():
         opening.append(message)
         if isinstance(message, Mapping) and message.get("role") == "user":
             break
-    text = json.dumps(opening, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
-    return "conv-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+    text = json.dumps([tenant, user, opening], sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    # surrogatepass: a caller that did not check its input still gets an id (the proxy refuses such bodies first)
+    return "conv-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]

@@ -97,6 +97,10 @@ class _Ledgers(Collector):
             "shrinks": counter("admission_shrinks", "Admissions granted less than asked, the prompt refitted"),
             "timeouts": counter("admission_timeouts", "Calls that found no KV room within admission_timeout"),
             "expired": counter("admission_expired", "Stream admissions whose lease ran out unread"),
+            "rebooked": counter(
+                "kv_rebooked_tickets", "Live admissions booked again after the shared ledger's Redis lost the pool"
+            ),
+            "rebooked_tokens": counter("kv_rebooked_tokens", "KV tokens of those admissions"),
         }
 
 
@@ -206,8 +210,9 @@ class ProxyMetrics:
         if exchange.upstream_seconds is not None:
             self.upstream_seconds.labels(entry, stream).observe(exchange.upstream_seconds)
         call = exchange.call
+        if exchange.sent:
+            self.attempts.labels(entry).inc(exchange.sent)
         if call is not None:
-            self.attempts.labels(entry).inc(call.attempts)
             if call.error is None:
                 for note in call.recoveries:
                     self.recoveries.labels(entry, recovery_kind(note)).inc()
@@ -222,7 +227,7 @@ class ProxyMetrics:
                 if value:
                     counter.labels(entry).inc(value)
         fit = exchange.fit
-        if fit is None or call is None or call.attempts == 0:
+        if fit is None or call is None or exchange.sent == 0:
             return  # nothing was sent
         report = fit.report
         self.prompt_tokens.labels(entry).observe(fit.tokens)

@@ -28,6 +28,7 @@ class Exchange:
 
     conversation: str | None  # None: the request failed before its conversation was known
     conversation_source: str | None  # header, user, prompt_cache_key, derived
+    tenant: str | None = None  # whose conversation (None: refused before the caller was known)
     model: str | None  # the request's "model"
     route: str | None  # the config entry that took it ("models[0] (match '*')")
     stream: bool
@@ -39,6 +40,7 @@ class Exchange:
     chunks: int = 0  # stream chunks passed to the client
     fit_seconds: tuple[float, ...] = ()  # every fit of the request (a refusal's refit too), in order
     upstream_seconds: float | None = None  # time spent upstream, attempts together (a stream: to its end)
+    sent: int = 0  # requests sent upstream (retries included; attempts refused by our own checks are not)
 
     def to_dict(self) -> dict[str, Any]:
         """The exchange as JSON-ready data (the debug endpoint's answer)."""
@@ -46,6 +48,7 @@ class Exchange:
         return {
             "conversation": self.conversation,
             "conversation_source": self.conversation_source,
+            "tenant": self.tenant,
             "model": self.model,
             "route": self.route,
             "stream": self.stream,
@@ -55,6 +58,7 @@ class Exchange:
             "chunks": self.chunks,
             "fit_seconds": [round(seconds, 6) for seconds in self.fit_seconds],
             "upstream_seconds": None if self.upstream_seconds is None else round(self.upstream_seconds, 6),
+            "sent": self.sent,
             "prompt_tokens": fit.tokens if fit is not None else None,
             "messages_sent": len(fit.messages) if fit is not None else None,
             "report": fit.report.to_dict() if fit is not None else None,
@@ -63,26 +67,31 @@ class Exchange:
 
 
 class DebugStore:
-    """The latest exchange of each conversation, the least recently seen dropped beyond ``size``."""
+    """The latest exchange of each conversation, by ``(tenant, conversation)``, the least recently seen dropped
+    beyond ``size``."""
 
     def __init__(self, size: int = 1024) -> None:
         self.size = size
-        self._latest: OrderedDict[str, Exchange] = OrderedDict()
+        self._latest: OrderedDict[tuple[str, str], Exchange] = OrderedDict()
         self._lock = threading.Lock()
 
     def __call__(self, exchange: Exchange) -> None:
         if exchange.conversation is None:
             return
+        key = (exchange.tenant or "", exchange.conversation)
         with self._lock:
-            self._latest[exchange.conversation] = exchange
-            self._latest.move_to_end(exchange.conversation)
+            self._latest[key] = exchange
+            self._latest.move_to_end(key)
             while len(self._latest) > self.size:
                 self._latest.popitem(last=False)
 
-    def get(self, conversation: str) -> Exchange | None:
+    def get(self, tenant: str, conversation: str) -> Exchange | None:
         with self._lock:
-            return self._latest.get(conversation)
+            return self._latest.get((tenant, conversation))
 
-    def conversations(self) -> list[str]:
+    def conversations(self, tenant: str | None = None) -> list[str] | list[dict[str, str]]:
+        """The ids of ``tenant``'s conversations; every tenant's (``{"tenant", "conversation"}``) for None."""
         with self._lock:
-            return list(self._latest)
+            if tenant is None:
+                return [{"tenant": owner, "conversation": name} for owner, name in self._latest]
+            return [name for owner, name in self._latest if owner == tenant]

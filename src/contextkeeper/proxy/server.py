@@ -1,15 +1,22 @@
 """The proxy on uvicorn: in the foreground (``contextkeeper serve``) or on a background thread (tests, notebooks).
 
 ```python
-with ProxyServer(Proxy.from_config(load_config("proxy.toml")), port=0) as server:
-    client = openai.OpenAI(base_url=server.base_url, api_key="...")
+with ProxyServer(Proxy.from_config(load_config("proxy.toml")), port=0, limits=ServerLimits(header_timeout=5)) as s:
+    client = openai.OpenAI(base_url=s.base_url, api_key="...")
 ```
+
+Connections are served by :class:`~contextkeeper.proxy._protocol.LimitedH11Protocol` (h11, pinned: the same
+behaviour whether or not httptools is installed) under :class:`ServerLimits`: deadlines for a request's head and
+body, a bounded head (431), unambiguous framing (400), a connection limit (503), each refusal in OpenAI's error
+shape. WebSocket upgrades are off (the proxy has no WebSocket route, and an upgraded connection would leave these
+limits behind).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import threading
@@ -19,9 +26,19 @@ from typing import Any
 import uvicorn
 
 from .._exceptions import ConfigurationError
+from ._protocol import ServerLimits, protocol_class
+from .access import loopback_host
 from .app import Proxy
 
-__all__ = ["ProxyServer"]
+log = logging.getLogger("contextkeeper.proxy")
+
+__all__ = ["ProxyServer", "ServerLimits"]
+
+
+def _seconds(value: float) -> int:
+    """``value`` for a uvicorn timeout: typed as whole seconds there, but only ever handed to asyncio, which takes
+    fractions too (tests use short ones)."""
+    return value  # type: ignore[return-value]
 
 
 class _Uvicorn(uvicorn.Server):
@@ -53,10 +70,20 @@ class _Uvicorn(uvicorn.Server):
 
 
 class ProxyServer:
-    """``proxy`` served by uvicorn on ``host:port`` (port 0: an ephemeral port, see :attr:`port`)."""
+    """``proxy`` served by uvicorn on ``host:port`` (port 0: an ephemeral port, see :attr:`port`), each connection
+    under ``limits`` (default: :class:`ServerLimits`'s defaults)."""
 
-    def __init__(self, proxy: Proxy, *, host: str = "127.0.0.1", port: int = 8100, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        proxy: Proxy,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8100,
+        log_level: str = "warning",
+        limits: ServerLimits | None = None,
+    ) -> None:
         self.proxy = proxy
+        self.limits = limits if limits is not None else ServerLimits()
         self.host = host
         self.requested_port = port
         self.port: int | None = None
@@ -70,9 +97,29 @@ class ProxyServer:
             log_level=log_level,
             access_log=log_level in ("info", "debug", "trace"),
             lifespan="on",
-            timeout_graceful_shutdown=5,
+            http=protocol_class(self.limits),
+            ws="none",
+            # uvicorn's own limit_concurrency stays off: the protocol counts connections itself (uvicorn's check
+            # counts the asking connection against the limit) and answers 503 in OpenAI's error shape.
+            timeout_keep_alive=_seconds(self.limits.keep_alive_timeout),
+            h11_max_incomplete_event_size=self.limits.max_header_bytes,
+            timeout_graceful_shutdown=_seconds(self.limits.graceful_shutdown),
         )
         self._server = _Uvicorn(config, self._listening)
+        if not loopback_host(host):
+            if not proxy.access.keyed:
+                log.warning(
+                    "the proxy listens on %s, beyond this machine, without a key of its own: anyone who reaches it can "
+                    "use the upstream. Set a proxy key (Access(keys=...), api_key=), unless something in front "
+                    "authenticates",
+                    host,
+                )
+            if "*" not in proxy.access.allowed_hosts:
+                log.warning(
+                    "the proxy listens on %s but answers only requests whose Host is one of %s (allowed_hosts)",
+                    host,
+                    ", ".join(proxy.access.allowed_hosts),
+                )
         self.on_ready: Callable[[ProxyServer], Any] | None = None
 
     def _listening(self, host: str, port: int) -> None:
@@ -80,6 +127,11 @@ class ProxyServer:
         self._ready.set()
         if self.on_ready is not None:
             self.on_ready(self)
+
+    @property
+    def connections(self) -> int:
+        """How many client connections are open now (lingering refused ones included)."""
+        return len(self._server.server_state.connections)
 
     @property
     def url(self) -> str:

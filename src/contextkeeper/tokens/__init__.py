@@ -3,6 +3,7 @@
 from ._sandbox import TemplateLimits
 from .base import (
     BatchTextCounting,
+    Forgetting,
     Forking,
     Measurement,
     Measuring,
@@ -23,6 +24,7 @@ from .mistral import MistralCounter
 __all__ = [
     "BatchTextCounting",
     "Breakdown",
+    "Forgetting",
     "Forking",
     "HFChatTemplateCounter",
     "Measurement",

@@ -62,6 +62,15 @@ class Forking(Protocol):
 
 
 @runtime_checkable
+class Forgetting(Protocol):
+    """Drops the incremental state that holds the last prompt counted (its render, its messages), so a prompt that
+    was refused is not kept alive until the next count; the next count starts from scratch (slower, not
+    different)."""
+
+    def forget(self) -> None: ...
+
+
+@runtime_checkable
 class TextCounting(Protocol):
     """Tokens of a snippet on its own (no template): strategies estimate what a cut or a summary leaves. Without
     it a snippet costs two prompt counts (the text in a user message, less the empty message)."""

@@ -676,6 +676,16 @@ class HFChatTemplateCounter:
             clone._pieces = self._pieces.fork()
         return clone
 
+    def forget(self) -> None:
+        """Drop the last prompt's incremental state (its views, render and resume point); caches stay."""
+        with self._lock:
+            self._last_view = ((), [], [])
+            self._last_conversation = None
+            self._last_prompt = None
+            self._renderers = {}
+            if self._pieces is not None:
+                self._pieces.forget()
+
     def text_tokens(self, text: str) -> int:
         """Tokens of a snippet on its own (no template, no special tokens), cached by text."""
         check_text(text)

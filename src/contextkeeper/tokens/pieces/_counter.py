@@ -375,6 +375,11 @@ class PieceCounter:
         clone._segmented = _NO_SEGMENTS
         return clone
 
+    def forget(self) -> None:
+        """Drop the resume points (the last text and segments counted), keeping every cache."""
+        self._last, self._bounds, self._totals = "", [], []
+        self._segmented = _NO_SEGMENTS
+
     def clear(self) -> None:
         for rule in self._on.values():
             rule.clear()
