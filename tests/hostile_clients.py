@@ -253,6 +253,8 @@ def hostile_run(tokenizer: Any, folder: Path, *, hostile: bool, seconds: float, 
         assert proxy.url is not None
         assert proxy.process is not None
         url, pid = proxy.url, proxy.process.pid
+        # Warm up: the first requests of each entry build what later ones reuse (a cold fit, compiled templates).
+        asyncio.run(run_load([url], upstream.base_url.removesuffix("/v1"), chats=0, seconds=2, answer=ANSWER))
         with (
             Sampler(lambda: total(scrape(url), "contextkeeper_kv_active_tokens", entry=LOAD), 0.1) as active,
             Sampler(lambda: rss_of(pid), 0.25) as rss,
@@ -267,6 +269,7 @@ def hostile_run(tokenizer: Any, folder: Path, *, hostile: bool, seconds: float, 
                     answer=ANSWER,
                     pause=1.0,
                     probe_pause=0.1,
+                    probe_delay=1.0,  # the steady state: past the chats' cold first turns
                 )
                 if not hostile:
                     return await honest, HostileRun()

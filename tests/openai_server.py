@@ -607,6 +607,9 @@ class _Failure:
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a client holding a keep-alive connection must not block close()
+    # The listen backlog (socketserver's default is 5): a burst of new connections past it has its SYNs dropped,
+    # and each such client waits the kernel's 1 s retransmit; servers in use (uvicorn for vLLM) take 2048.
+    request_queue_size = 1024
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that hung up mid-response (a cancelled stream, a client-side timeout) is what those tests do;

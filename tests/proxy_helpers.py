@@ -325,13 +325,14 @@ async def run_load(
     probe_pause: float = 0.05,
     pause: float = 0.0,
     seed: int = 0,
+    probe_delay: float = 0.0,
 ) -> LoadRun:
     """``chats`` concurrent conversations (every second one streaming) for ``seconds``, each request sent to the
     next of ``proxies`` in turn (a round-robin balancer); ``pause``: the mean seconds a chat waits between an
     answer and its next turn (0: none, a closed loop that saturates the machine). Meanwhile probe pairs measure
     what a proxy adds: one request sent straight to ``upstream`` (the server's root URL) and through the proxy
     back to back, the order alternating, plain and streamed in turn. Every chat ends its request in flight and
-    stops by the deadline."""
+    stops by the deadline. ``probe_delay``: seconds before the first probe (past the chats' cold first turns)."""
     run = LoadRun(chats=chats)
     limits = httpx2.Limits(max_connections=chats + 16, max_keepalive_connections=chats + 16)
     turn_counter = itertools.count()
@@ -367,6 +368,7 @@ async def run_load(
 
         async def probe() -> None:
             body = {"model": probe_model, "messages": load_history(4, "You answer probes."), "max_tokens": answer}
+            await asyncio.sleep(probe_delay)
             for number in range(100_000):  # bounded; the deadline ends it long before
                 if time.perf_counter() >= deadline:
                     return

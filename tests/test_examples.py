@@ -90,3 +90,32 @@ def test_diagnose_profile_example() -> None:
     )
     assert "every step exact: True" in done.stdout
     assert "monitor: [leak]" in done.stdout
+
+
+def test_proxy_tenants_example() -> None:
+    from assets import require_assets, tokenizer_dir
+    from openai_server import ChatServer
+
+    require_assets()
+    with ChatServer(tokenizer_dir("qwen2"), max_model_len=1024) as server:
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(EXAMPLES / "proxy_tenants.py"),
+                *("--base-url", server.base_url, "--tokenizer", str(tokenizer_dir("qwen2")), "--context", "1024"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+    assert "team-a sees: order-4411\n" in done.stdout
+    assert "the admin key sees: team-a/order-4411, team-b/order-4411" in done.stdout
+    for line in (
+        "a 300 KB body: 413 body_too_large",
+        "a rebound Host: 421 host_not_allowed",
+        "a cross-site text/plain POST: 403 origin_not_allowed",
+        "an upstream admin path: 404 route_not_forwarded",
+        "no key: 401 invalid_api_key",
+    ):
+        assert line in done.stdout

@@ -387,7 +387,10 @@ def test_n_and_best_of_that_are_not_whole_numbers_are_typed_errors(
 def test_the_proxy_admits_n_answers_and_refuses_a_bad_n(tokenizer: Any) -> None:
     keeper = ck.ContextKeeper(tokenizer, context_window=LIMIT, kv_capacity=100_000)
     with (
-        ChatServer(tokenizer_dir("qwen2"), max_model_len=LIMIT, tokenizer=tokenizer) as upstream,
+        # A slow stream: it is still open (its admission held) when the test reads the ledger.
+        ChatServer(
+            tokenizer_dir("qwen2"), max_model_len=LIMIT, tokenizer=tokenizer, stream_chunk_words=1, chunk_delay=0.2
+        ) as upstream,
         running_proxy([route(keeper)], upstream.base_url) as proxy,
     ):
         client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="client-key", max_retries=0)

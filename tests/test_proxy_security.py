@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -814,3 +816,26 @@ context_window = {CONTEXT}
     message = str(failure.value)
     assert "body_byte" in message
     assert "max_connection" in message
+
+
+# ----------------------------------------------------------------------------------------- fast paths
+
+_JSON = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(), st.text(alphabet='[]{}"\\\\ab\\n\\u00e9'), st.floats(allow_nan=False)
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(alphabet='[]{}"\\\\k'), inner, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_JSON, ascii_only=st.booleans(), spaced=st.booleans())
+def test_the_depth_read_from_the_bytes_is_the_depth_of_the_value(value: Any, ascii_only: bool, spaced: bool) -> None:
+    from contextkeeper.proxy.limits import _depth, raw_depth
+
+    separators = (", ", ": ") if spaced else (",", ":")
+    raw = json.dumps(value, ensure_ascii=ascii_only, separators=separators).encode("utf-8")
+    assert raw_depth(raw) == _depth(value, 10**6)

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import contextkeeper as ck
 from contextkeeper.messages import Message
@@ -367,3 +369,27 @@ def test_a_500_call_chat_grows_linearly_on_disk(tmp_path: Path) -> None:
     assert sizes[500] - sizes[250] < 1.3 * (sizes[250] - sizes[125]) * 2
     assert sizes[500] / sizes[250] < 2.4
     assert sizes[500] < 4 * text  # each message stored once (plus indexes and per-call rows)
+
+
+# Messages drawn as a client sends them: plain dicts, text of every kind, some repeated (a growing chat), some
+# nested parts.
+_TEXT = st.text(max_size=30)
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"])},
+    optional={"content": st.one_of(_TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT})))},
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=st.lists(_MESSAGE, max_size=6), grown=st.lists(_MESSAGE, max_size=4))
+def test_messages_serialized_ahead_of_the_lock_are_stored_as_under_it(
+    first: list[dict[str, Any]], grown: list[dict[str, Any]]
+) -> None:
+    # The fast path (serialized before the lock, MemoryTranscript.begin) and the reference (everything under the
+    # lock, as record() writes) store the same blobs under the same trie nodes, turn after turn.
+    fast, slow = MemoryTranscript(), MemoryTranscript()
+    for messages in (first, first + grown, copy.deepcopy(first + grown)):
+        ahead = fast._serialize_ahead(messages, "lane")
+        assert fast._node(messages, lane="lane", prepared=ahead) == slow._node(messages, lane="lane")
+    assert fast._texts == slow._texts
+    assert fast._node_of == slow._node_of

@@ -67,6 +67,12 @@ __all__ = [
 log = logging.getLogger("contextkeeper")
 
 Indices = tuple[int, ...]
+# Messages serialized between two voluntary releases of the GIL (see Transcript._serialize_ahead).
+_YIELD_EVERY = 32
+# Messages serialized before a write takes the lock, by id: (the message, its JSON, the JSON's digest, a snapshot,
+# the snapshot's bytes).
+Prepared = dict[int, Any]
+_COMPARED = -1  # Prepared's key for the lane state compared ahead and how much of it matched
 Status = Literal["ok", "failed", "pending", "interrupted", "refused"]
 
 #: The error of a call that was started (its inputs stored) by a process that ended before the call did.
@@ -656,9 +662,9 @@ class Transcript:
         return {owner: _running(owner) for owner in owners}
 
     # -- interning --------------------------------------------------------------------------------------
-    def _blob(self, value: Any, text: str | None = None) -> int:
+    def _blob(self, value: Any, text: str | None = None, digest: str | None = None) -> int:
         text = _serial(value) if text is None else text
-        digest = _digest(text)
+        digest = _digest(text) if digest is None else digest
         blob = self._blobs.get(digest)
         if blob is None or not self._has_blob(blob):
             blob = self._find_blob(digest)
@@ -667,25 +673,54 @@ class Transcript:
             self._blobs.put(digest, blob)
         return blob
 
-    def _message_blob(self, message: Any) -> tuple[int, object, int]:
+    def _message_blob(self, message: Any, prepared: Prepared | None = None) -> tuple[int, object, int]:
         """The message's blob id, a snapshot that compares equal to it while it is unchanged (a copy of a dict, a
-        Message itself; ``_NEVER`` for objects we cannot compare cheaply) and the snapshot's bytes."""
+        Message itself; ``_NEVER`` for objects we cannot compare cheaply) and the snapshot's bytes. ``prepared``:
+        serializations made before the lock was taken (:meth:`_serialize_ahead`)."""
         seen = self._seen.get(message)
         if seen is not None and self._has_blob(seen[0]):
             return seen
+        size: int | None = None
         if type(message) is dict:
-            text = _serial(message)
-            blob = self._blob(None, text)
-            snapshot: object = json.loads(text)
+            made = prepared.get(id(message)) if prepared is not None else None
+            if made is not None and made[0] is message:
+                _, text, digest, snapshot, size = made
+                blob = self._blob(None, text, digest)
+            else:
+                text = _serial(message)
+                blob = self._blob(None, text)
+                snapshot = json.loads(text)
         elif isinstance(message, Message):
             blob, snapshot = self._blob(message.to_dict()), message
         else:
             return self._blob(_plain(message)), _NEVER, 0
-        found = (blob, snapshot, data_size(snapshot))
+        found = (blob, snapshot, data_size(snapshot) if size is None else size)
         self._seen.put(message, found)
         return found
 
-    def _node(self, messages: Sequence[Any], lane: str | None = None) -> int:
+    def _serialize_ahead(self, messages: Sequence[Any], lane: str | None) -> Prepared:
+        """What :meth:`_node` will serialize and hash for ``messages`` (the plain dicts past the part the lane saw
+        last, not seen before), done before the lock is taken: a large request's messages are written without
+        holding up every other call of the keeper while they are serialized."""
+        start = 0
+        memo = self._paths.get(lane) if lane is not None else None
+        if memo is not None:
+            known = memo[0]
+            if len(known) <= len(messages) and all(map(_same, known, messages[: len(known)])):
+                start = len(known)
+        prepared: Prepared = {_COMPARED: (memo, start)}  # (what was compared: _node need not compare it again)
+        for index, message in enumerate(messages[start:] if start else messages):
+            if index % _YIELD_EVERY == _YIELD_EVERY - 1:
+                # A large request's messages (this runs on a worker thread) let the event loop and other calls have
+                # the GIL now and then, rather than only at the interpreter's 5 ms switch interval each time.
+                _time.sleep(0)
+            if type(message) is dict and self._seen.get(message) is None:
+                text = _serial(message)
+                snapshot = json.loads(text)
+                prepared[id(message)] = (message, text, _digest(text), snapshot, data_size(snapshot))
+        return prepared
+
+    def _node(self, messages: Sequence[Any], lane: str | None = None, prepared: Prepared | None = None) -> int:
         """The trie node of ``messages``. With a ``lane`` (one conversation's inputs), the list the lane saw
         last is compared in one go (by value, so edits in place are noticed): a growing chat costs its new
         messages, not its whole length, on every call."""
@@ -697,17 +732,23 @@ class Transcript:
         if memo is not None:
             known, known_nodes, known_bytes = memo
             size = len(known)
+            compared = prepared.get(_COMPARED) if prepared is not None else None
             if (
                 size
                 and size <= len(messages)
                 and self._has_node(known_nodes[-1])  # (a node's ancestors are kept while it is)
-                and all(map(_same, known, messages[:size]))
+                # The same lane state compared before the lock (_serialize_ahead) need not be compared again.
+                and (
+                    (compared[0] is memo and compared[1] == size)
+                    if compared is not None
+                    else all(map(_same, known, messages[:size]))
+                )
             ):
                 node, start = known_nodes[-1], size
                 snapshots, nodes, held = list(known), list(known_nodes), known_bytes
         comparable = len(snapshots) == start
         for message in messages[start:] if start else messages:
-            blob, snapshot, snapshot_bytes = self._message_blob(message)
+            blob, snapshot, snapshot_bytes = self._message_blob(message, prepared)
             child = self._nodes.get((node, blob))
             if child is not None and not self._has_node(child):
                 child = None
@@ -729,12 +770,12 @@ class Transcript:
         return node
 
     # -- public -----------------------------------------------------------------------------------------
-    def _row(self, entry: TranscriptEntry, inputs: int | None = None) -> _Row:
+    def _row(self, entry: TranscriptEntry, inputs: int | None = None, prepared: Prepared | None = None) -> _Row:
         return _Row(
             call=entry.call,
             conversation=entry.conversation,
             time=entry.time,
-            inputs=self._node(entry.inputs, lane=entry.conversation) if inputs is None else inputs,
+            inputs=self._node(entry.inputs, lane=entry.conversation, prepared=prepared) if inputs is None else inputs,
             sent=None if self._derives_sent and _kept_as_is(entry) else self._node(entry.sent),
             tools=self._blob(list(entry.tools)) if entry.tools is not None else None,
             received=self._blob(entry.received) if entry.received is not None else None,
@@ -799,9 +840,10 @@ class Transcript:
             status="pending",
         )
         sent: list[tuple[int, Callable[[], int]]] = []
+        prepared = self._serialize_ahead(entry.inputs, entry.conversation)
 
         def store() -> int:
-            row = dataclasses.replace(self._row(entry), state="begun", owner=_owner())
+            row = dataclasses.replace(self._row(entry, prepared=prepared), state="begun", owner=_owner())
             sent.append((row.inputs, self._insert_later(row)))
             return 0
 

@@ -548,7 +548,7 @@ class Proxy:
     # ------------------------------------------------------------------------------------------- chat
     def _read_chat(self, raw: bytes, headers: Mapping[str, str], caller: Caller) -> tuple[dict[str, Any], Identity]:
         """A chat body parsed and checked, and its conversation (on a worker thread when the body is large)."""
-        body = check_chat(parse_json(raw, self.limits), self.limits)
+        body = check_chat(parse_json(raw, self.limits), self.limits, len(raw))
         try:
             identity = identify(headers, body, caller.tenant)
         except ValueError as exc:
