@@ -194,6 +194,10 @@ class RecurrentState(LayerSpec):
     ssm_dtype: DType
     copies: int = 1
     page_bytes: int | None = None
+    extra_bytes: int = 0  # per-layer bookkeeping tensors (transformers 5.25+: the length seen, an int64 scalar)
+
+    def bookkeeping_bytes(self, tokens: int) -> int:
+        return self.extra_bytes if tokens > 0 else 0
 
     @property
     def state_bytes(self) -> int:

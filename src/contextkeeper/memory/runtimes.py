@@ -267,6 +267,7 @@ def _installed(package: str) -> tuple[int, ...] | None:
 class _HFContext:
     latent_mla: bool  # transformers 5 caches MLA as the latent; 4.x decompressed it
     heads: int | None  # the heads this family's implementation really caches (None: the config's KV heads)
+    state_length: bool = False  # 5.25+: each linear (recurrent) cache layer keeps the length seen, an int64 scalar
 
 
 def _hf_full(layer: FullAttention, kv: DType, settings: RuntimeSettings, ctx: _HFContext) -> LayerSpec:
@@ -291,7 +292,8 @@ def _hf_mla(layer: MLAttention, kv: DType, settings: RuntimeSettings, ctx: _HFCo
 
 def _hf_state(layer: RecurrentState, kv: DType, settings: RuntimeSettings, ctx: _HFContext) -> LayerSpec:
     # The whole conv kernel in the model dtype; the SSM / recurrent state in float32.
-    return replace(layer, conv_width=layer.conv_kernel, conv_dtype=kv, ssm_dtype=dtype("fp32"))
+    extra = 8 if ctx.state_length else 0
+    return replace(layer, conv_width=layer.conv_kernel, conv_dtype=kv, ssm_dtype=dtype("fp32"), extra_bytes=extra)
 
 
 class Transformers(Runtime):
@@ -340,7 +342,12 @@ class Transformers(Runtime):
                 )
             kv = model.dtype  # scales, shifts and the residual are kept in the model's dtype
         version = _installed("transformers")
-        context = _HFContext(latent_mla=version is None or version >= (5,), heads=_transformers_heads(model))
+        newest = version is None or version >= (5, 25)  # (absent: the rules of the newest release measured)
+        context = _HFContext(
+            latent_mla=version is None or version >= (5,),
+            heads=_transformers_heads(model, newest),
+            state_length=newest,
+        )
         out = self.rules.apply(model, kv, settings, context)
         notes: list[str] = []
         if _WINDOWED & kinds.keys():
@@ -398,11 +405,13 @@ def _quantized_layer(layer: FullAttention, quant: DType, tokens: int, sequences:
     return total
 
 
-def _transformers_heads(model: ModelSpec) -> int | None:
-    """Families whose transformers implementation caches more heads than the config's KV heads."""
+def _transformers_heads(model: ModelSpec, newest: bool) -> int | None:
+    """Families whose transformers implementation caches more heads than the config's KV heads (``newest``:
+    transformers 5.25 or later)."""
     config = model.config
-    if model.model_type == "falcon" and config.get("new_decoder_architecture"):
-        return model.num_attention_heads  # K and V are broadcast to every query head before the cache update
+    if model.model_type == "falcon" and config.get("new_decoder_architecture") and not newest:
+        # Before 5.25, K and V were broadcast to every query head before the cache update; since, the KV heads are.
+        return model.num_attention_heads
     if model.model_type == "mpt":
         return model.num_attention_heads  # attn_config's multi-query settings are not used
     return None

@@ -230,12 +230,7 @@ def _whole(body: Mapping[str, Any], key: str, low: int, high: int | None, settin
         )
 
 
-def check_chat(body: Any, limits: InputLimits, size: int | None = None) -> dict[str, Any]:
-    """The checks a chat-completions body passes before the keeper reads it; returns it (a dict). ``size``: the
-    body's bytes, when known."""
-    if not isinstance(body, dict):
-        raise RequestRejected("the request body must be a JSON object", code="invalid_json")
-    messages = body.get("messages")
+def _check_messages(messages: Any, limits: InputLimits, size: int | None) -> None:
     if not isinstance(messages, list):
         raise RequestRejected("messages must be a list of chat messages", code="invalid_messages", param="messages")
     if len(messages) > limits.messages:
@@ -246,12 +241,12 @@ def check_chat(body: Any, limits: InputLimits, size: int | None = None) -> dict[
             param="messages",
             fix=f"send fewer messages, or {_setting('messages')}",
         )
-    for index, message in enumerate(messages if size is None or size > limits.message_chars else ()):
-        # (A body of no more bytes than the limit has no message with more characters: nothing to walk.)
+    if size is not None and size <= limits.message_chars:
+        return  # a body of no more bytes than the limit has no message with more characters: nothing to walk
+    for index, message in enumerate(messages):
         if index % 64 == 63:
             time.sleep(0)  # (see _YIELD_EVERY)
-        chars = _text_chars(message, limits.message_chars)
-        if chars > limits.message_chars:
+        if _text_chars(message, limits.message_chars) > limits.message_chars:
             raise RequestRejected(
                 f"message {index} holds more than {limits.message_chars:,} characters of text",
                 status=413,
@@ -259,38 +254,55 @@ def check_chat(body: Any, limits: InputLimits, size: int | None = None) -> dict[
                 param=f"messages[{index}]",
                 fix=f"send a shorter message (or a file reference), or {_setting('message_chars')}",
             )
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise RequestRejected("tools must be a list of tool schemas", code="invalid_tools", param="tools")
-        size = len(json.dumps(tools, ensure_ascii=False).encode("utf-8", "surrogatepass"))
-        if size > limits.tools_bytes:
-            raise RequestRejected(
-                f"the tool schemas take {size:,} bytes of JSON; this proxy takes at most {limits.tools_bytes:,}",
-                status=413,
-                code="tools_bytes_exceeded",
-                param="tools",
-                fix=f"send fewer or smaller tool schemas, or {_setting('tools_bytes')}",
-            )
+
+
+def _check_tools(tools: Any, limits: InputLimits) -> None:
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise RequestRejected("tools must be a list of tool schemas", code="invalid_tools", param="tools")
+    size = len(json.dumps(tools, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > limits.tools_bytes:
+        raise RequestRejected(
+            f"the tool schemas take {size:,} bytes of JSON; this proxy takes at most {limits.tools_bytes:,}",
+            status=413,
+            code="tools_bytes_exceeded",
+            param="tools",
+            fix=f"send fewer or smaller tool schemas, or {_setting('tools_bytes')}",
+        )
+
+
+# The fields the proxy reads besides messages and tools, each with the type it must have (None: absent).
+_BOOLEANS = ("stream", "logprobs", "echo", "parallel_tool_calls")
+_TYPED: tuple[tuple[str, type, str], ...] = (("model", str, "a string"), ("stream_options", dict, "an object"))
+
+
+def _check_fields(body: dict[str, Any], limits: InputLimits) -> None:
     for key in ("max_completion_tokens", "max_tokens"):
         _whole(body, key, 1, None)
     _whole(body, "n", 1, limits.answers, "answers")
     _whole(body, "best_of", 1, limits.answers, "answers")
-    for key in ("stream", "logprobs", "echo", "parallel_tool_calls"):
+    for key in _BOOLEANS:
         value = body.get(key)
         if value is not None and not isinstance(value, bool):
             raise RequestRejected(
                 f"{key} must be true or false, got {json.dumps(value)[:40]}", code=f"invalid_{key}", param=key
             )
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestRejected(
-            f"model must be a string, got {type(model).__name__}", code="invalid_model", param="model"
-        )
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise RequestRejected("stream_options must be an object", code="invalid_stream_options", param="stream_options")
+    for key, kind, what in _TYPED:
+        value = body.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise RequestRejected(f"{key} must be {what}, got {type(value).__name__}", code=f"invalid_{key}", param=key)
     for key, value in body.items():
         if isinstance(value, float) and not math.isfinite(value):  # (parse_json refuses these; a caller may not)
             raise RequestRejected(f"{key} must be a finite number", code=f"invalid_{key}", param=key)
+
+
+def check_chat(body: Any, limits: InputLimits, size: int | None = None) -> dict[str, Any]:
+    """The checks a chat-completions body passes before the keeper reads it; returns it (a dict). ``size``: the
+    body's bytes, when known."""
+    if not isinstance(body, dict):
+        raise RequestRejected("the request body must be a JSON object", code="invalid_json")
+    _check_messages(body.get("messages"), limits, size)
+    _check_tools(body.get("tools"), limits)
+    _check_fields(body, limits)
     return body
