@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import contextkeeper as ck
 from assets import template
-from conftest import hf_tokenizer
+from conftest import fresh_pieces, hf_tokenizer, verified_pieces
 from contextkeeper._memo import cache_usage, set_cache_bytes
 from contextkeeper.tokens.pieces import PieceCounter
 from contextkeeper.tokens.pieces._rules import _blocks, _line_safe, _word_rule
@@ -167,7 +167,7 @@ def test_piece_rule_matches_whole_text_encoding(vocab: str, data: st.DataObject)
     """The split-at-added-tokens rule (first piece included) proven per tokenizer family on random texts."""
     backend = hf_tokenizer(vocab).backend_tokenizer
     specials = [t.content for t in backend.get_added_tokens_decoder().values()][:200]
-    pieces = PieceCounter(backend)
+    pieces = fresh_pieces(vocab)
     assert pieces.fast
     parts = data.draw(st.lists(st.one_of(_text, st.sampled_from(specials)), min_size=1, max_size=12))
     text = "".join(parts)
@@ -181,7 +181,7 @@ def test_counts_resumed_from_a_shared_prefix_equal_whole_text_encoding(vocab: st
     """Consecutive texts that share a prefix and then diverge anywhere (inside a token or a piece)."""
     backend = hf_tokenizer(vocab).backend_tokenizer
     specials = [t.content for t in backend.get_added_tokens_decoder().values()][:50]
-    pieces = PieceCounter(backend)
+    pieces = fresh_pieces(vocab)
     token = st.sampled_from(specials)
     base = "".join(data.draw(st.lists(st.one_of(_text, token), min_size=1, max_size=20)))
     texts = [base]
@@ -201,7 +201,7 @@ def test_counts_summed_over_segments_equal_whole_text_encoding(vocab: str, data:
     several counts in a row reuse the per-segment cache."""
     backend = hf_tokenizer(vocab).backend_tokenizer
     specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.content][:50]
-    pieces = PieceCounter(backend)
+    pieces = fresh_pieces(vocab)
     token = st.sampled_from(specials)
     half = token.map(lambda t: t[: max(1, len(t) // 2)])  # a token's beginning
     rest = token.map(lambda t: t[max(1, len(t) // 2) :])
@@ -222,7 +222,7 @@ def test_segment_counts_resumed_from_the_previous_call_equal_whole_text_encoding
     middle segment rewritten, inserted or removed; the runs shared with the previous call are taken whole."""
     backend = hf_tokenizer(vocab).backend_tokenizer
     specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.content][:50]
-    pieces = PieceCounter(backend)
+    pieces = fresh_pieces(vocab)
     token = st.sampled_from(specials)
     half = token.map(lambda t: t[: max(1, len(t) // 2)])
     segment = st.lists(st.one_of(_text, token, token, half), min_size=0, max_size=4).map("".join)
@@ -348,8 +348,7 @@ _ascii = st.lists(
 def test_ascii_counted_by_pre_tokens_equals_the_tokenizer_where_the_rule_is_on(vocab: str, text: str) -> None:
     backend = hf_tokenizer(vocab).backend_tokenizer
     assert (_word_rule(backend) is not None) is _WORDS[vocab]
-    pieces = PieceCounter(backend)
-    pieces.verify()
+    pieces = verified_pieces(vocab).fork()
     assert ("words" in pieces.rules.on) is _WORDS[vocab]
     whole = len(backend.encode(text, add_special_tokens=False))
     assert pieces.count(text) == whole

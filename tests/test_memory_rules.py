@@ -4,6 +4,7 @@ the runtimes' sizing rules (docs/memory.md), not from our code."""
 from __future__ import annotations
 
 import json
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,15 @@ def test_window_rules_by_family() -> None:
     assert ModelSpec.from_config(qwen2).kinds() == {"full": 32}
 
 
+def _transformers_before(*release: int) -> bool:
+    """Whether the installed transformers predates ``release`` (absent: the newest rules apply)."""
+    try:
+        installed = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return False
+    return tuple(int(part) for part in installed.split(".")[: len(release)]) < release
+
+
 def test_kv_heads_field_zoo() -> None:
     falcon = {"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71}
     # multi_query without the new decoder architecture: one KV head of 4,544 / 71 = 64 dims
@@ -231,8 +241,9 @@ def test_kv_heads_field_zoo() -> None:
     )
     head = 4544 // 64
     assert gqa.kv(1, runtime="vllm", kv_dtype="bf16").bytes_per_token == 2 * 32 * 8 * head * 2
-    # transformers broadcasts K and V to all 64 query heads before caching them
-    assert gqa.kv(1, kv_dtype="bf16").bytes_per_token == 2 * 32 * 64 * head * 2
+    # transformers before 5.25 broadcast K and V to all 64 query heads before caching them; 5.25 caches the 8
+    cached = 64 if _transformers_before(5, 25) else 8
+    assert gqa.kv(1, kv_dtype="bf16").bytes_per_token == 2 * 32 * cached * head * 2
     gpt2 = ModelSpec.from_config(
         {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024}
     )
