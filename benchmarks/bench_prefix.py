@@ -50,7 +50,7 @@ from report import write_section  # noqa: E402
 
 import contextkeeper as ck  # noqa: E402
 from assets import template, tokenizer_dir  # noqa: E402
-from contextkeeper.policy import Policy, PolicyStep, resolve_policy  # noqa: E402
+from contextkeeper.strategies.policy import Policy, PolicyStep, resolve_policy  # noqa: E402
 from contextkeeper.strategies.sliding_window import SlidingWindow  # noqa: E402
 
 CASES = [

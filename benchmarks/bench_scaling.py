@@ -7,8 +7,8 @@ loopback, against a real ``redis-server`` and a real Postgres that the script st
 (tests/engines.py: temporary directories, free ports; Postgres with ``fsync=off``, so a commit costs no disk
 flush), for
 
-* **admission**: the in-process :class:`~contextkeeper.ledger.Ledger` vs the shared
-  :class:`~contextkeeper.redis_ledger.RedisLedger` (``acquire`` + ``release``; the capacity never makes a call
+* **admission**: the in-process :class:`~contextkeeper.calls.ledger.Ledger` vs the shared
+  :class:`~contextkeeper.calls.redis_ledger.RedisLedger` (``acquire`` + ``release``; the capacity never makes a call
   wait, so this is the cost of booking, not of queueing);
 * **transcript**: ``MemoryTranscript``, ``SQLiteTranscript`` (a file in a temporary directory) and
   ``PostgresTranscript`` (its fast write path; the reference path through psycopg's adapters, which waits for
@@ -53,10 +53,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from contextkeeper.ledger import Ledger  # noqa: E402
-from contextkeeper.pg_transcript import PostgresTranscript  # noqa: E402
-from contextkeeper.redis_ledger import RedisLedger  # noqa: E402
-from contextkeeper.transcript import MemoryTranscript, SQLiteTranscript, Transcript  # noqa: E402
+from contextkeeper.calls.ledger import Ledger  # noqa: E402
+from contextkeeper.calls.redis_ledger import RedisLedger  # noqa: E402
+from contextkeeper.calls.transcript.postgres import PostgresTranscript  # noqa: E402
+from contextkeeper.calls.transcript.store import MemoryTranscript, SQLiteTranscript, Transcript  # noqa: E402
 from engines import PostgresServer, RedisServer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "scaling.json"

@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
 
 import assets  # noqa: E402
 import server_corpus  # noqa: E402
-from contextkeeper._http import request_json  # noqa: E402
+from contextkeeper.servers.http import request_json  # noqa: E402
 from tiny_gguf import tiny_model  # noqa: E402
 
 BINARY = ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"
@@ -37,7 +37,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "llama_server"
 ANSWERS = ROOT / "tests" / "fixtures" / "detection" / "llama-server.json"
 ENGINE = ROOT / "tests" / "fixtures" / "llama_engine.json"
 CONTINUATION = ROOT / "tests" / "fixtures" / "llama_continuation.json"
-# What server detection asks (src/contextkeeper/detection.py SIGNS), recorded as the server answered.
+# What server detection asks (src/contextkeeper/servers/detection.py SIGNS), recorded as the server answered.
 ASKED = ("/v1/models", "/props", "/api/version", "/get_server_info", "/version")
 # vocabulary -> chat template (tokenizer folder = tests/assets.tokenizer_dir(vocab))
 PAIRS = {

@@ -200,7 +200,7 @@ def server_prompt(tokenizer: Any, case: dict[str, Any]) -> tuple[str | None, int
     return str(text), len(ids), None
 
 
-# What server detection asks (src/contextkeeper/detection.py), recorded as transformers serve answered.
+# What server detection asks (src/contextkeeper/servers/detection.py), recorded as transformers serve answered.
 ASKED = ("/v1/models", "/health", "/props", "/api/version", "/get_server_info", "/version")
 
 

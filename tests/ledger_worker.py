@@ -20,8 +20,8 @@ import threading
 import time
 from typing import Any
 
-from contextkeeper.ledger import AdmissionTimeout
-from contextkeeper.redis_ledger import LedgerUnavailable, RedisLedger
+from contextkeeper.calls.ledger import AdmissionTimeout
+from contextkeeper.calls.redis_ledger import LedgerUnavailable, RedisLedger
 
 
 def churn(ledger: RedisLedger, seconds: float, threads: int, seed: int, hold: tuple[float, float], odd: bool) -> Any:

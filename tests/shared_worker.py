@@ -18,8 +18,8 @@ from pathlib import Path
 import openai
 
 import contextkeeper as ck
-from contextkeeper.policy import Policy, PolicyStep
 from contextkeeper.strategies.base import LLMCall
+from contextkeeper.strategies.policy import Policy, PolicyStep
 
 sys.path.insert(0, str(Path(__file__).parent))
 from strategy_state import plain_chat

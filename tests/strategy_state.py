@@ -21,9 +21,9 @@ from assets import template
 from conftest import hf_tokenizer
 from contextkeeper import Conversation, Message
 from contextkeeper.keeper import ContextKeeper
-from contextkeeper.policy import Policy, PolicyStep
 from contextkeeper.strategies import FitState, Item
 from contextkeeper.strategies.base import Items
+from contextkeeper.strategies.policy import Policy, PolicyStep
 
 QWEN = "Qwen-Qwen2.5-7B-Instruct"
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 import contextkeeper as ck
-from contextkeeper.budget import Budget
+from contextkeeper.fit.budget import Budget
 
 
 def budget(max_tokens: int | None = 500, **reserve: Any) -> Budget:

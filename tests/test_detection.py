@@ -25,7 +25,7 @@ import pytest
 import assets
 import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError
-from contextkeeper.detection import detect_server
+from contextkeeper.servers.detection import detect_server
 from openai_server import ChatServer
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -19,7 +19,7 @@ import pytest
 import assets
 import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError, CountingError, InvalidMessage
-from contextkeeper.dialects import DIALECTS, Dialect, dialect_of
+from contextkeeper.servers.dialects import DIALECTS, Dialect, dialect_of
 from contextkeeper.tokens import load_counter
 from server_corpus import ENGINE_TEMPLATE, cases, continuation_cases, engine_cases
 

@@ -23,7 +23,7 @@ import assets
 import contextkeeper as ck
 from conftest import hf_tokenizer
 from contextkeeper._exceptions import ChatTemplateError, ContextKeeperError, InvalidMessage
-from contextkeeper.dialects import DIALECTS
+from contextkeeper.servers.dialects import DIALECTS
 from contextkeeper.tokens import HFChatTemplateCounter
 from server_corpus import TEXTS, WEATHER, cases
 

@@ -21,7 +21,7 @@ import pytest
 import assets
 import contextkeeper as ck
 from contextkeeper._exceptions import ChatTemplateError, InvalidMessage
-from contextkeeper.dialects import DIALECTS
+from contextkeeper.servers.dialects import DIALECTS
 from contextkeeper.tokens import HFChatTemplateCounter, load_counter
 from contextkeeper.tokens.loading import load_hf_tokenizer
 from server_corpus import cases

@@ -11,9 +11,9 @@ import pytest
 import contextkeeper as ck
 from assets import template
 from conftest import hf_tokenizer
-from contextkeeper import engine
-from contextkeeper.budget import Budget
-from contextkeeper.session import Session
+from contextkeeper.fit import engine
+from contextkeeper.fit.budget import Budget
+from contextkeeper.fit.session import Session
 from contextkeeper.strategies import Item, base
 from contextkeeper.strategies.base import Action
 from conversations import call

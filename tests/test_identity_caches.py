@@ -16,14 +16,14 @@ from assets import template
 from conftest import hf_tokenizer
 from contextkeeper import Message
 from contextkeeper._memo import IdentityMemo, cache_usage, set_cache_bytes
-from contextkeeper.engine import _new_dict
-from contextkeeper.policy import Policy, PolicyStep
-from contextkeeper.session import Session
+from contextkeeper.calls.transcript.store import MemoryTranscript, SQLiteTranscript
+from contextkeeper.fit.engine import _new_dict
+from contextkeeper.fit.session import Session
 from contextkeeper.strategies import FitState, Item
 from contextkeeper.strategies.base import _unit_chars
+from contextkeeper.strategies.policy import Policy, PolicyStep
 from contextkeeper.testing.settings import BudgetSettings
 from contextkeeper.tokens._sandbox import FROZEN_JSON
-from contextkeeper.transcript import MemoryTranscript, SQLiteTranscript
 from conversations import TOOLS
 
 QWEN = "Qwen-Qwen2.5-7B-Instruct"

@@ -16,8 +16,8 @@ import contextkeeper as ck
 from assets import template, tokenizer_dir
 from conftest import hf_tokenizer
 from contextkeeper.keeper import ContextKeeper, RequestTooLarge
-from contextkeeper.policy import Policy, PolicyStep
 from contextkeeper.strategies import Foresight, Pipeline, build_strategy
+from contextkeeper.strategies.policy import Policy, PolicyStep
 from contextkeeper.strategies.sliding_window import SlidingWindow
 from conversations import TOOLS
 from strategy_state import QWEN, agent_chat, check_invariants, keeper, plain_chat
@@ -328,7 +328,7 @@ def test_the_horizon_reads_old_tool_results_at_their_cleared_size(monkeypatch: p
     blind.pipeline = Pipeline(
         tuple((_Apply(s) if isinstance(s, Foresight) else s, trigger) for s, trigger in aware.pipeline)
     )
-    from contextkeeper import engine
+    from contextkeeper.fit import engine
 
     reads: list[int] = []
     original = engine.read

@@ -20,8 +20,8 @@ import pytest
 import contextkeeper as ck
 from assets import require_assets, template, tokenizer_dir
 from conftest import hf_tokenizer
-from contextkeeper.backends.calls import calls_of
-from contextkeeper.shared import SharedState
+from contextkeeper.calls.loop import calls_of
+from contextkeeper.calls.shared import SharedState
 from engines import RedisServer
 from openai_server import ChatServer
 from proxy_helpers import route, running_proxy
@@ -67,7 +67,7 @@ def sdk(server: ChatServer) -> openai.OpenAI:
 
 
 def rules(**given: Any) -> Any:
-    from contextkeeper.backends.calls import LearnRules
+    from contextkeeper.calls.loop import LearnRules
 
     return LearnRules(**given)
 
@@ -147,7 +147,7 @@ def test_what_one_request_adds_is_charged_to_its_conversation_not_to_everyone(to
 
 
 def test_the_features_of_a_request_are_known_fields_and_media_only() -> None:
-    from contextkeeper.backends.calls import request_features
+    from contextkeeper.calls.loop import request_features
 
     params = {
         "model": "m",
@@ -379,7 +379,7 @@ def test_n_and_best_of_that_are_not_whole_numbers_are_typed_errors(
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], **given)
         assert server.requests == []  # nothing sent
         assert keeper.transcript.entries() == []  # nor kept
-    from contextkeeper.backends.calls import sequences_of
+    from contextkeeper.calls.loop import sequences_of
 
     assert sequences_of({"n": 3, "extra_body": {"best_of": 5}}) == 5
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from contextkeeper import ContextKeeperError
-from contextkeeper.ledger import AdmissionTimeout, ExceedsCapacity, Ledger, capacity_from_plan
+from contextkeeper.calls.ledger import AdmissionTimeout, ExceedsCapacity, Ledger, capacity_from_plan
 from contextkeeper.memory import plan
 
 CAPACITY = 1000

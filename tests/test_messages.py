@@ -24,11 +24,11 @@ from contextkeeper.messages import (
     TextPart,
     ToolCall,
     Unit,
-    _server_view_message_reference,
     raw_view,
     server_view,
     server_view_message,
 )
+from contextkeeper.messages.views import _server_view_message_reference
 
 # ------------------------------------------------------------------------------------------------ fixtures
 

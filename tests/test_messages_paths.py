@@ -29,27 +29,20 @@ from hypothesis import strategies as st
 from contextkeeper import _memo
 from contextkeeper._exceptions import InvalidMessage, MessageError
 from contextkeeper._memo import IdentityMemo, cache_usage, same_values, set_cache_bytes
-from contextkeeper.messages import (
-    _ENDLESS,
+from contextkeeper.messages import MAX_DEPTH, Conversation, Message, check_tools, server_view_message
+from contextkeeper.messages.guard import _ENDLESS, _clean, _clean_reference, _depth
+from contextkeeper.messages.models import (
     _PARSED,
-    MAX_DEPTH,
-    Conversation,
-    Message,
-    _clean,
-    _clean_reference,
     _copy,
     _copy_reference,
-    _depth,
     _free_form,
     _free_form_reference,
     _parse_message,
     _parse_message_reference,
-    _server_view_message_reference,
     _TooDeep,
     _Uncopyable,
-    check_tools,
-    server_view_message,
 )
+from contextkeeper.messages.views import _server_view_message_reference
 
 _FIXED = {"derandomize": True, "deadline": None, "database": None}
 _CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]

@@ -32,7 +32,7 @@ from opentelemetry.util._once import Once
 import contextkeeper as ck
 from assets import require_assets, tokenizer_dir
 from conftest import hf_tokenizer
-from contextkeeper import tracing
+from contextkeeper.calls import tracing
 from contextkeeper.proxy import Proxy
 from openai_server import ChatServer
 from proxy_helpers import route, running_proxy, scrape, tenant, total
@@ -41,7 +41,7 @@ WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
 CONTEXT = 1024
 ANSWER = 64
 HIDDEN = 200  # what the upstream counts beyond what it is sent: the first long prompt is refused for length
-pytestmark = pytest.mark.filterwarnings("ignore::contextkeeper.backends.calls.DriftWarning")  # the hidden tokens
+pytestmark = pytest.mark.filterwarnings("ignore::contextkeeper.calls.loop.DriftWarning")  # the hidden tokens
 PROMPT_SLOTS = ("system", "tools", "history", "request", "template_overhead")
 
 

@@ -26,8 +26,8 @@ import pytest
 
 import contextkeeper as ck
 from contextkeeper._exceptions import TranscriptUnavailable, TransportError
-from contextkeeper.pg_transcript import MIGRATIONS, PostgresTranscript
-from contextkeeper.transcript import (
+from contextkeeper.calls.transcript.postgres import MIGRATIONS, PostgresTranscript
+from contextkeeper.calls.transcript.store import (
     INTERRUPTED,
     SQLiteTranscript,
     Transcript,

@@ -31,11 +31,11 @@ import pytest
 
 import contextkeeper as ck
 from contextkeeper._exceptions import TranscriptUnavailable
-from contextkeeper.transcript import INTERRUPTED
+from contextkeeper.calls.transcript.store import INTERRUPTED
 from engines import PostgresServer
 
 psycopg = pytest.importorskip("psycopg")
-from contextkeeper.pg_transcript import PostgresTranscript  # noqa: E402  (needs psycopg)
+from contextkeeper.calls.transcript.postgres import PostgresTranscript  # noqa: E402  (needs psycopg)
 
 WORKER = Path(__file__).parent / "transcript_worker.py"
 SRC = Path(ck.__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import contextkeeper as ck
 from assets import template, tokenizer_dir
 from contextkeeper.cli import main
 from contextkeeper.keeper import ContextKeeper
-from contextkeeper.policy import policy_files, resolve_policy
+from contextkeeper.strategies.policy import policy_files, resolve_policy
 from conversations import TOOLS
 from strategy_state import agent_chat, check_invariants, plain_chat
 

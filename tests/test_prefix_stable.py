@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 import contextkeeper as ck
 from assets import template, tokenizer_dir
 from conftest import hf_tokenizer
-from contextkeeper.backends.calls import cached_tokens_of
-from contextkeeper.policy import Policy, PolicyStep, resolve_policy
-from contextkeeper.prefix import HFMeter, meter_for, shared_ids
+from contextkeeper.calls.loop import cached_tokens_of
 from contextkeeper.strategies._cache import CacheCost
+from contextkeeper.strategies.policy import Policy, PolicyStep, resolve_policy
 from contextkeeper.strategies.sliding_window import SlidingWindow
+from contextkeeper.tokens.prefix import HFMeter, meter_for, shared_ids
 from conversations import TOOLS
 from openai_server import ChatServer, vllm_messages, vllm_tools
 from strategy_state import check_invariants

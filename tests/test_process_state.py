@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import contextkeeper as ck
-from contextkeeper import policy as policy_module
+from contextkeeper.strategies import policy as policy_module
 
 SRC = Path(ck.__file__).resolve().parent
 MUTATORS = {"append", "add", "update", "setdefault", "pop", "clear", "extend", "insert", "remove", "popitem"}
@@ -18,21 +18,22 @@ MUTATORS |= {"discard", "move_to_end", "appendleft"}
 # module:name -> why it is module state. Anything else that a function changes is a finding.
 ALLOWED = {
     "_memo.py:_SLOTS": "the memo module itself: slot names per class, for sizing entries",
-    "backends/base.py:_WRAPPERS": "registry: register_wrapper adds a client kind",
+    "backends/registry.py:_WRAPPERS": "registry: register_wrapper adds a client kind",
     "backends/openai.py:_REAPER": "the one thread that closes streams dropped unread (started once per process)",
     "memory/dtypes.py:_ALIASES": "registry: dtypes register their names at import",
     "memory/dtypes.py:_KV": "registry: the KV dtypes, filled at import",
     "memory/dtypes.py:_TYPES": "registry: the dtypes, filled at import",
     "memory/dtypes.py:_WEIGHTS": "registry: the weight dtypes, filled at import",
-    "prefix.py:_METERS": "registry: register_meter adds a counter kind's prefix meter",
-    "policy.py:_REGISTERED": "configuration: the policy folders register_policy_path adds, in order",
+    "tokens/prefix.py:_METERS": "registry: register_meter adds a counter kind's prefix meter",
+    "strategies/policy.py:_REGISTERED": "configuration: the policy folders register_policy_path adds, in order",
     "strategies/_embeddings.py:_LOADED": "process resource: an embedding model, loaded once per process (seconds), "
     "never evicted and reloaded as a cache entry would be",
-    "strategies/base.py:STRATEGIES": "registry: @register adds a strategy",
+    "strategies/base.py:STRATEGIES": "registry: @register adds a strategy (registry.py loads the built-ins)",
     "strategies/base.py:_SETTINGS": "registry: each strategy's settings model, added with it",
     "tokens/_sandbox.py:_REFERENCE": "a lazily built singleton: the reference environment for the slow path",
     "tokens/render/split.py:CHECKS": "registry: the named split checks, in order, added at import",
-    "transcript.py:_OWNERS": "process identity: this process as stored with its calls (must not change while it runs)",
+    "calls/transcript/store.py:_OWNERS": "process identity: this process as stored with its calls "
+    "(must not change while it runs)",
 }
 
 

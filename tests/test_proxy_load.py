@@ -27,7 +27,7 @@ pytest.importorskip("prometheus_client")
 
 from assets import require_assets, tokenizer_dir
 from conftest import hf_tokenizer
-from contextkeeper.redis_ledger import RedisLedger
+from contextkeeper.calls.redis_ledger import RedisLedger
 from engines import RedisServer
 from hostile_clients import hostile_run
 from openai_server import ChatServer, RequestRecord

@@ -100,24 +100,14 @@ print(json.dumps({"top": top, "listed": listed, "modules": modules, "failures": 
 STRATEGY_API = "for writing strategies: imported from contextkeeper.strategies (docs/strategies.md)"
 MEMORY_PARTS = "a part of ModelSpec / Plan / KVReport, reached through them or contextkeeper.memory (docs/memory.md)"
 DIAGNOSE_PARTS = "inside what doctor / profile / MemoryMonitor return, or their settings; in contextkeeper.diagnose"
-BACKEND_API = "backend plumbing behind ContextKeeper.wrap; contextkeeper.backends is for adding backends"
+BACKEND_API = (
+    "call plumbing behind ContextKeeper.wrap; contextkeeper.calls and contextkeeper.backends are for adding backends"
+)
 CONTENT_PART = "a ContentPart subclass (exported) that Message picks by type; callers pass dicts"
-POLICY_FILES = "policy-file plumbing behind load_policy / ContextKeeper(policy=...); in contextkeeper.policy"
 PLUGIN = "handed out by the pytest plugin's prompt_budget / prompt_snapshot fixtures; in contextkeeper.testing"
-TRANSCRIPT = "behind open_transcript, which returns a Transcript; callers use that base class"
-ENGINE = "one fit's internals behind ContextKeeper.fit; what callers see is the Fit it returns"
-SESSION = "what a keeper keeps per conversation between fits (bounded by ContextKeeper(conversations=))"
 COUNTER_ABILITY = "an optional counter ability: a custom counter opts in by defining the method (no import)"
-PREFIX_API = "how the prefix a fit shares with the previous prompt is measured (fit.report carries the figure)"
 PROXY_API = "the proxy's own parts (contextkeeper.proxy), behind `contextkeeper serve`; importable from there"
 INTERNAL: dict[str, str] = {
-    "contextkeeper.prefix.HFMeter": PREFIX_API,
-    "contextkeeper.prefix.Meter": PREFIX_API,
-    "contextkeeper.prefix.PrefixOf": PREFIX_API,
-    "contextkeeper.prefix.meter_for": PREFIX_API,
-    "contextkeeper.prefix.register_meter": PREFIX_API,
-    "contextkeeper.prefix.shared_ids": PREFIX_API,
-    "contextkeeper.session.WindowState": "a conversation's window start and rewrites, kept in its session",
     "contextkeeper.proxy.Access": PROXY_API,
     "contextkeeper.proxy.DebugStore": PROXY_API,
     "contextkeeper.proxy.Exchange": PROXY_API,
@@ -134,18 +124,15 @@ INTERNAL: dict[str, str] = {
     "contextkeeper.proxy.identify": PROXY_API,
     "contextkeeper.proxy.identity.InvalidConversation": PROXY_API,
     "contextkeeper.proxy.load_config": PROXY_API,
-    "contextkeeper.dialects.PromptEnd": "a part of a Dialect (what a server adds after one template family's prompt)",
-    "contextkeeper.detection.Sign": "one entry of detection.SIGNS (an endpoint and its reading), for adding a sign",
-    "contextkeeper.backends.Backend": BACKEND_API,
-    "contextkeeper.backends.Failure": BACKEND_API,
-    "contextkeeper.backends.Reply": BACKEND_API,
-    "contextkeeper.backends.Request": BACKEND_API,
-    "contextkeeper.backends.ServerState": BACKEND_API,
-    "contextkeeper.backends.classify": BACKEND_API,
-    "contextkeeper.backends.parse_context_error": BACKEND_API,
+    "contextkeeper.calls.Backend": BACKEND_API,
+    "contextkeeper.calls.Failure": BACKEND_API,
+    "contextkeeper.calls.Reply": BACKEND_API,
+    "contextkeeper.calls.Request": BACKEND_API,
+    "contextkeeper.calls.ServerState": BACKEND_API,
+    "contextkeeper.calls.classify": BACKEND_API,
+    "contextkeeper.calls.parse_context_error": BACKEND_API,
     "contextkeeper.backends.register_wrapper": BACKEND_API,
     "contextkeeper.backends.wrap": "the function behind ContextKeeper.wrap; callers use the method",
-    "contextkeeper.budget.Budget": "one fit's token budget, made by the keeper; FitReport carries its numbers",
     "contextkeeper.cli.UsageError": "the command line's own error: exit code 2, never raised to Python callers",
     "contextkeeper.cli.build_parser": "the command line's parser; the `contextkeeper` command is its interface",
     "contextkeeper.cli.main": "the `contextkeeper` console script's entry point",
@@ -171,13 +158,6 @@ INTERNAL: dict[str, str] = {
     "contextkeeper.diagnose.load_model": DIAGNOSE_PARTS,
     "contextkeeper.diagnose.plot_profile": DIAGNOSE_PARTS,
     "contextkeeper.diagnose.symptoms": DIAGNOSE_PARTS,
-    "contextkeeper.engine.Ask": ENGINE,
-    "contextkeeper.engine.Counts": ENGINE,
-    "contextkeeper.engine.Draft": ENGINE,
-    "contextkeeper.engine.Setup": ENGINE,
-    "contextkeeper.engine.fit": ENGINE,
-    "contextkeeper.ledger.Ticket": "what Ledger.acquire / admit hand out; callers hold it, never build it",
-    "contextkeeper.ledger.capacity_from_plan": "how ContextKeeper(gpu=) sizes its Ledger from a Plan",
     "contextkeeper.memory.Advice": MEMORY_PARTS,
     "contextkeeper.memory.Breakdown": "Plan.breakdown; top-level Breakdown is the token breakdown (tokens)",
     "contextkeeper.memory.ChunkedAttention": MEMORY_PARTS,
@@ -207,16 +187,6 @@ INTERNAL: dict[str, str] = {
     "contextkeeper.messages.check_tools": "the tool-schema check counters run (docs/messages.md)",
     "contextkeeper.messages.server_view_message": "one message of server_view, which is exported",
     "contextkeeper.messages.surrogate_at": "the search behind check_text",
-    "contextkeeper.policy.PolicyStep": POLICY_FILES,
-    "contextkeeper.policy.parse_trigger": POLICY_FILES,
-    "contextkeeper.policy.policy_files": POLICY_FILES,
-    "contextkeeper.policy.resolve_policy": POLICY_FILES,
-    "contextkeeper.policy.user_policy_files": POLICY_FILES,
-    "contextkeeper.policy.validate_policy_files": POLICY_FILES,
-    "contextkeeper.session.Rates": SESSION,
-    "contextkeeper.session.Session": SESSION,
-    "contextkeeper.session.Sessions": SESSION,
-    "contextkeeper.session.Sticky": SESSION,
     "contextkeeper.strategies.Action": STRATEGY_API,
     "contextkeeper.strategies.Always": STRATEGY_API,
     "contextkeeper.strategies.FitState": STRATEGY_API,
@@ -252,12 +222,6 @@ INTERNAL: dict[str, str] = {
     "contextkeeper.tokens.ToolFreezing": COUNTER_ABILITY,
     "contextkeeper.tokens.detect_content_format": "load_counter's content_format='auto' rule; in contextkeeper.tokens",
     "contextkeeper.tokens.load_hf_tokenizer": "the tokenizer loading behind load_counter; in contextkeeper.tokens",
-    "contextkeeper.transcript.Begun": "what Transcript.begin returns (the write-ahead in two halves)",
-    "contextkeeper.transcript.MemoryTranscript": TRANSCRIPT,
-    "contextkeeper.transcript.SQLiteTranscript": TRANSCRIPT,
-    "contextkeeper.transcript.check_transcript": TRANSCRIPT,
-    "contextkeeper.transcript.diff_prompt": TRANSCRIPT,
-    "contextkeeper.transcript.make_entry": TRANSCRIPT,
 }
 
 # Names users need that the flat API does not export yet. Each is a known gap, not a decision: once it is

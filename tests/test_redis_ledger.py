@@ -19,8 +19,8 @@ import pytest
 
 import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError
-from contextkeeper.ledger import AdmissionTimeout, Ledger
-from contextkeeper.redis_ledger import LedgerUnavailable, RedisLedger
+from contextkeeper.calls.ledger import AdmissionTimeout, Ledger
+from contextkeeper.calls.redis_ledger import LedgerUnavailable, RedisLedger
 from engines import RedisServer
 
 WORKER = Path(__file__).parent / "ledger_worker.py"

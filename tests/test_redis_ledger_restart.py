@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from contextkeeper.ledger import AdmissionTimeout
-from contextkeeper.redis_ledger import LedgerUnavailable, RedisLedger
+from contextkeeper.calls.ledger import AdmissionTimeout
+from contextkeeper.calls.redis_ledger import LedgerUnavailable, RedisLedger
 
 CAPACITY = 8192
 
@@ -199,7 +199,7 @@ def _losing(loss: str, pool: str, closing: Callable[[Any], Any]) -> tuple[str, C
     import redis
 
     if loss == "cluster-node-restart":
-        from contextkeeper._redis import connect
+        from contextkeeper.calls.redis_client import connect
         from engines import RedisCluster
 
         cluster = closing(RedisCluster())

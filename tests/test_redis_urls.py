@@ -1,5 +1,5 @@
-"""Redis URLs beyond one server: Redis Cluster and Sentinel, read by contextkeeper._redis, and the shared KV ledger
-over each, on real servers started by the tests (3 cluster nodes; a master, a replica and a Sentinel)."""
+"""Redis URLs beyond one server: Redis Cluster and Sentinel, read by contextkeeper.calls.redis_client, and the shared
+KV ledger over each, on real servers started by the tests (3 cluster nodes; a master, a replica and a Sentinel)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError
-from contextkeeper._redis import SCHEMES, connect, connection_errors, is_redis_url, parse, safe_url
-from contextkeeper.redis_ledger import LedgerUnavailable, RedisLedger
+from contextkeeper.calls.redis_client import SCHEMES, connect, connection_errors, is_redis_url, parse, safe_url
+from contextkeeper.calls.redis_ledger import LedgerUnavailable, RedisLedger
 from engines import RedisCluster, RedisSentinel
 from test_redis_ledger import wrapped_call_through
 

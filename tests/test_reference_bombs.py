@@ -23,16 +23,9 @@ from pydantic import ValidationError
 import contextkeeper as ck
 from assets import template
 from conftest import hf_tokenizer
-from contextkeeper.messages import (
-    MAX_REPEATED,
-    _clean,
-    _clean_reference,
-    _copy,
-    _copy_reference,
-    _measure,
-    _problem,
-    check_tools,
-)
+from contextkeeper.messages import MAX_REPEATED, check_tools
+from contextkeeper.messages.guard import _clean, _clean_reference, _measure, find_problem
+from contextkeeper.messages.models import _copy, _copy_reference
 
 BOUND_SECONDS = 2.0
 USER = {"role": "user", "content": "What is the weather in Paris?"}
@@ -261,7 +254,7 @@ def test_the_fast_walkers_agree_with_their_references_on_shared_data() -> None:
     ]
     for value in samples:
         assert _clean(value, 100) is _clean_reference(value, 100) is False  # shared: the careful pass decides
-        assert _problem(value, 100) is None  # modest: nothing to refuse
+        assert find_problem(value, 100) is None  # modest: nothing to refuse
         fast, reference = _copy(value), _copy_reference(value)
         assert fast == reference == value
     # The copy of shared data shares as the input does (one object per object), instead of one per path.

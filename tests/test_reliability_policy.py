@@ -26,9 +26,7 @@ import tomllib
 import contextkeeper as ck
 from assets import template
 from conftest import hf_tokenizer
-from contextkeeper import policy as policy_module
 from contextkeeper.cli import main
-from contextkeeper.policy import Policy, PolicyError, PolicyStep, register_policy_path, resolve_policy
 from contextkeeper.strategies import (
     STRATEGIES,
     Action,
@@ -42,9 +40,11 @@ from contextkeeper.strategies import (
     register,
     settings_model,
 )
-from contextkeeper.strategies._settings import Settings
+from contextkeeper.strategies import policy as policy_module
 from contextkeeper.strategies.dedupe import Dedupe
+from contextkeeper.strategies.policy import Policy, PolicyError, PolicyStep, register_policy_path, resolve_policy
 from contextkeeper.strategies.prune_tool_results import PruneToolResults
+from contextkeeper.strategies.settings import Settings
 from contextkeeper.strategies.sliding_window import SlidingWindow
 from contextkeeper.strategies.summarize import Summarize
 from contextkeeper.strategies.truncate import Truncate

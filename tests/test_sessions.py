@@ -13,7 +13,7 @@ import contextkeeper as ck
 from assets import template
 from conftest import hf_tokenizer
 from contextkeeper.keeper import ContextKeeper
-from contextkeeper.policy import Policy, PolicyStep
+from contextkeeper.strategies.policy import Policy, PolicyStep
 
 QWEN = "Qwen-Qwen2.5-7B-Instruct"
 WORDS = {

@@ -15,7 +15,7 @@ import pytest
 import assets
 import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError
-from contextkeeper.shared import ServerFacts, SharedState, SharedUnavailable, SummaryClaim
+from contextkeeper.calls.shared import ServerFacts, SharedState, SharedUnavailable, SummaryClaim
 from engines import RedisCluster, RedisServer
 from openai_server import ChatServer
 from strategy_state import plain_chat
@@ -81,7 +81,7 @@ def test_a_running_replica_takes_what_another_learned_with_its_admission(
     """Replicas with ``ledger=`` on the shared state's Redis: once a replica has read the server's facts, each later
     call gets them with its admission (no read of its own), and is not refused for what another replica learned
     meanwhile."""
-    from contextkeeper.backends.calls import calls_of
+    from contextkeeper.calls.loop import calls_of
 
     assets.require_assets()
     tokenizer = str(assets.tokenizer_dir("qwen2"))

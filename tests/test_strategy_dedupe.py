@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextkeeper.policy import PolicyStep
+from contextkeeper.strategies.policy import PolicyStep
 from conversations import TOOLS
 from strategy_state import agent_chat, check_invariants, keeper
 

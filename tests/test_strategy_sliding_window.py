@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import contextkeeper as ck
-from contextkeeper.engine import assemble
+from contextkeeper.fit.engine import assemble
 from contextkeeper.strategies import FitState, Item
 from contextkeeper.strategies.sliding_window import SlidingWindow
 from conversations import TOOLS

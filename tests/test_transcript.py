@@ -15,10 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import contextkeeper as ck
-from contextkeeper.messages import Message
-from contextkeeper.policy import Policy, PolicyStep
-from contextkeeper.strategies.summarize import ACKNOWLEDGEMENT, SUMMARY_PREFIX
-from contextkeeper.transcript import (
+from contextkeeper.calls.transcript.store import (
     MemoryTranscript,
     SQLiteTranscript,
     Transcript,
@@ -26,6 +23,9 @@ from contextkeeper.transcript import (
     diff_prompt,
     open_transcript,
 )
+from contextkeeper.messages import Message
+from contextkeeper.strategies.policy import Policy, PolicyStep
+from contextkeeper.strategies.summarize import ACKNOWLEDGEMENT, SUMMARY_PREFIX
 from conversations import TOOLS
 
 
@@ -299,7 +299,7 @@ def test_threads_record_into_one_sqlite_file(tmp_path: Path) -> None:
 
 _WRITER = """
 import sys
-from contextkeeper.transcript import SQLiteTranscript
+from contextkeeper.calls.transcript.store import SQLiteTranscript
 path, name, turns = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = SQLiteTranscript(path)
 chat = [{"role": "system", "content": "You are a helpful assistant."}]

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 import contextkeeper as ck
-from contextkeeper import transcript as transcript_module
 from contextkeeper._exceptions import MessageError, RequestTooLarge, UnknownCall
 from contextkeeper._memo import set_cache_bytes
-from contextkeeper.transcript import (
+from contextkeeper.calls.transcript import store as transcript_module
+from contextkeeper.calls.transcript.store import (
     MemoryTranscript,
     SQLiteTranscript,
     Transcript,
@@ -58,7 +58,7 @@ def _open(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Transcri
     if kind == "sqlite":
         return SQLiteTranscript(tmp_path / "t.sqlite")
     pytest.importorskip("psycopg")
-    from contextkeeper.pg_transcript import PostgresTranscript
+    from contextkeeper.calls.transcript.postgres import PostgresTranscript
 
     server = request.getfixturevalue("postgres")
     schema = request.node.__dict__.setdefault("ck_schema", _schema(request))

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import contextkeeper as ck
-from contextkeeper.backends import classify, parse_context_error
+from contextkeeper.calls import classify, parse_context_error
 from openai_server import DIALECTS, context_error
 
 
@@ -60,7 +60,7 @@ def test_other_errors_are_not_context_errors() -> None:
     [("context", ck.ContextLengthExceeded), ("oom", ck.OutOfMemory), ("transport", ck.TransportError)],
 )
 def test_every_failure_kind_is_worded_in_one_place_with_its_fix(kind: str, error: type[Exception]) -> None:
-    from contextkeeper.backends.errors import Attempted, Failure, provider_error
+    from contextkeeper.calls.errors import Attempted, Failure, provider_error
 
     failure = Failure(kind=kind, message="server said no", limit=4096, prompt_tokens=5000)  # type: ignore[arg-type]
     made = provider_error(failure, Attempted(sent=4000, answer=100, answer_key="max_tokens", attempts=4))

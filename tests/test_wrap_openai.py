@@ -22,7 +22,7 @@ import openai
 import contextkeeper as ck
 from assets import require_assets, tokenizer_dir
 from conftest import hf_tokenizer
-from contextkeeper.backends import DriftWarning
+from contextkeeper.calls import DriftWarning
 from openai_server import ChatServer
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima")

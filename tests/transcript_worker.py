@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _write(url: str, schema: str, conversation: str, turns: int) -> None:
-    from contextkeeper.pg_transcript import PostgresTranscript
+    from contextkeeper.calls.transcript.postgres import PostgresTranscript
 
     with PostgresTranscript(url, schema=schema) as store:
         chat: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
@@ -37,7 +37,7 @@ def _write(url: str, schema: str, conversation: str, turns: int) -> None:
 
 
 def _read(url: str, schema: str, conversation: str, call: int) -> None:
-    from contextkeeper.pg_transcript import PostgresTranscript
+    from contextkeeper.calls.transcript.postgres import PostgresTranscript
 
     with PostgresTranscript(url, schema=schema) as store:
         out = {
@@ -49,7 +49,7 @@ def _read(url: str, schema: str, conversation: str, call: int) -> None:
 
 
 def _begin(url: str, schema: str, conversation: str) -> None:
-    from contextkeeper.pg_transcript import PostgresTranscript
+    from contextkeeper.calls.transcript.postgres import PostgresTranscript
 
     store = PostgresTranscript(url, schema=schema)
     entry = store.start([{"role": "user", "content": "a call that never ends"}], conversation=conversation)
@@ -92,7 +92,7 @@ def _zygote() -> None:
     from transformers import AutoTokenizer
 
     import contextkeeper as ck
-    import contextkeeper.pg_transcript
+    import contextkeeper.calls.transcript.postgres
     from assets import tokenizer_dir
 
     warm = ck.ContextKeeper(AutoTokenizer.from_pretrained(str(tokenizer_dir("qwen2"))), context_window=1024)

@@ -41,15 +41,17 @@ from ._exceptions import (
 
 if TYPE_CHECKING:  # the names, for type checkers; at run time they load on first use
     from ._memo import CacheUsage, cache_bytes, cache_usage, set_cache_bytes
-    from .backends import CallReport, DriftWarning
-    from .budget import Reserve
-    from .calibration import Calibration, Probe, ProbeResult, calibrate
-    from .detection import Detection, DetectionWarning, detect_server
+    from .calls import CallReport, DriftWarning
+    from .calls.ledger import AdmissionTimeout, ExceedsCapacity, Ledger
+    from .calls.redis_ledger import LedgerUnavailable, RedisLedger
+    from .calls.shared import ConversationShare, ServerFacts, SharedState, SharedUnavailable, SummaryClaim
+    from .calls.transcript.postgres import PostgresTranscript
+    from .calls.transcript.store import Transcript, TranscriptEntry, open_transcript
     from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, profile
     from .diagnose import diagnose as doctor
-    from .dialects import Dialect, dialect_of
+    from .fit.budget import Reserve
+    from .fit.report import Fit, FitReport
     from .keeper import ContextKeeper
-    from .ledger import AdmissionTimeout, ExceedsCapacity, Ledger
     from .memory import (
         GPU,
         DetectedGPU,
@@ -65,12 +67,11 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
         recommend,
     )
     from .messages import ContentPart, Conversation, FunctionCall, Message, ToolCall, Unit, raw_view, server_view
-    from .pg_transcript import PostgresTranscript
-    from .policy import Policy, load_policy, register_policy_path
     from .proxy.config import ProxyConfigError
-    from .redis_ledger import LedgerUnavailable, RedisLedger
-    from .report import Fit, FitReport
-    from .shared import ConversationShare, ServerFacts, SharedState, SharedUnavailable, SummaryClaim
+    from .servers.calibration import Calibration, Probe, ProbeResult, calibrate
+    from .servers.detection import Detection, DetectionWarning, detect_server
+    from .servers.dialects import Dialect, dialect_of
+    from .strategies.policy import Policy, load_policy, register_policy_path
     from .tokens import (
         Breakdown,
         HFChatTemplateCounter,
@@ -82,47 +83,46 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
         breakdown,
         load_counter,
     )
-    from .transcript import Transcript, TranscriptEntry, open_transcript
 
 # Importing contextkeeper (and so its pytest plugin, in every test session) stays cheap: each name's module is
 # imported when the name is first used.
 _LAZY: dict[str, str] = {
-    "Calibration": ".calibration",
-    "Probe": ".calibration",
-    "ProbeResult": ".calibration",
-    "calibrate": ".calibration",
-    "Dialect": ".dialects",
-    "dialect_of": ".dialects",
-    "Detection": ".detection",
-    "DetectionWarning": ".detection",
-    "detect_server": ".detection",
-    "AdmissionTimeout": ".ledger",
+    "Calibration": ".servers.calibration",
+    "Probe": ".servers.calibration",
+    "ProbeResult": ".servers.calibration",
+    "calibrate": ".servers.calibration",
+    "Dialect": ".servers.dialects",
+    "dialect_of": ".servers.dialects",
+    "Detection": ".servers.detection",
+    "DetectionWarning": ".servers.detection",
+    "detect_server": ".servers.detection",
+    "AdmissionTimeout": ".calls.ledger",
     "Breakdown": ".tokens",
     "CacheUsage": "._memo",
-    "CallReport": ".backends",
+    "CallReport": ".calls",
     "ContentPart": ".messages",
     "ContextKeeper": ".keeper",
     "Conversation": ".messages",
     "DetectedGPU": ".memory",
     "Diagnosis": ".diagnose",
-    "DriftWarning": ".backends",
-    "ExceedsCapacity": ".ledger",
-    "Fit": ".report",
-    "FitReport": ".report",
+    "DriftWarning": ".calls",
+    "ExceedsCapacity": ".calls.ledger",
+    "Fit": ".fit.report",
+    "FitReport": ".fit.report",
     "FunctionCall": ".messages",
     "GPU": ".memory",
     "HFChatTemplateCounter": ".tokens",
     "KVReport": ".memory",
-    "Ledger": ".ledger",
-    "LedgerUnavailable": ".redis_ledger",
-    "RedisLedger": ".redis_ledger",
-    "ConversationShare": ".shared",
-    "PostgresTranscript": ".pg_transcript",
+    "Ledger": ".calls.ledger",
+    "LedgerUnavailable": ".calls.redis_ledger",
+    "RedisLedger": ".calls.redis_ledger",
+    "ConversationShare": ".calls.shared",
+    "PostgresTranscript": ".calls.transcript.postgres",
     "ProxyConfigError": ".proxy.config",
-    "ServerFacts": ".shared",
-    "SharedState": ".shared",
-    "SharedUnavailable": ".shared",
-    "SummaryClaim": ".shared",
+    "ServerFacts": ".calls.shared",
+    "SharedState": ".calls.shared",
+    "SharedUnavailable": ".calls.shared",
+    "SummaryClaim": ".calls.shared",
     "Measurement": ".tokens",
     "MediaCost": ".tokens",
     "MemoryMonitor": ".diagnose",
@@ -132,15 +132,15 @@ _LAZY: dict[str, str] = {
     "MonitorReport": ".diagnose",
     "Plan": ".memory",
     "PlanSettings": ".memory",
-    "Policy": ".policy",
+    "Policy": ".strategies.policy",
     "ProfileReport": ".diagnose",
     "Recommendation": ".memory",
-    "Reserve": ".budget",
+    "Reserve": ".fit.budget",
     "TemplateLimits": ".tokens",
     "TokenCounter": ".tokens",
     "ToolCall": ".messages",
-    "Transcript": ".transcript",
-    "TranscriptEntry": ".transcript",
+    "Transcript": ".calls.transcript.store",
+    "TranscriptEntry": ".calls.transcript.store",
     "Unit": ".messages",
     "breakdown": ".tokens",
     "cache_bytes": "._memo",
@@ -149,13 +149,13 @@ _LAZY: dict[str, str] = {
     "find_gpu": ".memory",
     "gpu_catalog": ".memory",
     "load_counter": ".tokens",
-    "load_policy": ".policy",
-    "open_transcript": ".transcript",
+    "load_policy": ".strategies.policy",
+    "open_transcript": ".calls.transcript.store",
     "plan": ".memory",
     "profile": ".diagnose",
     "raw_view": ".messages",
     "recommend": ".memory",
-    "register_policy_path": ".policy",
+    "register_policy_path": ".strategies.policy",
     "server_view": ".messages",
     "set_cache_bytes": "._memo",
 }

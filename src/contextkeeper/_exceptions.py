@@ -26,7 +26,7 @@ ContextKeeperError
 │   ├── ChatTemplateError          no template, or the template raised (its own message is kept)
 │   │   └── TemplateLimitExceeded  the template ran past a sandbox bound (time, loop steps, output, nesting)
 │   └── UnsupportedContent         a content part we cannot count and no per-part cost was set
-└── ProviderError                  a model call failed (mapped from the backend's own error in backends/errors.py)
+└── ProviderError                  a model call failed (mapped from the backend's own error in calls/errors.py)
     ├── ContextLengthExceeded      the server kept refusing the prompt as too long after every recovery
     ├── OutOfMemory                the local model ran out of memory after every recovery
     └── TransportError             timeouts, connection drops, 429/5xx or malformed replies after every retry

@@ -190,7 +190,7 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _policy(args: argparse.Namespace) -> int:
-    from .policy import load_policy, validate_policy_files
+    from .strategies.policy import load_policy, validate_policy_files
 
     problems = {str(path): problem for path, problem in validate_policy_files(args.files)}
     results: list[dict[str, Any]] = []
@@ -460,7 +460,7 @@ file); 2 an error, printed as one line on stderr (and as {"error": {"type", "mes
 
 
 def _server_option(parser: argparse.ArgumentParser) -> None:
-    from .dialects import DIALECTS
+    from .servers.dialects import DIALECTS
 
     parser.add_argument(
         "--server",

@@ -19,17 +19,17 @@ import warnings
 from collections.abc import Awaitable, Sequence
 from typing import Any, Literal, cast
 
-from . import engine
 from ._exceptions import ConfigurationError, InvariantViolation, RequestTooLarge, TransportError
-from ._redis import SCHEMES, is_redis_url
-from .budget import Budget, Reserve
-from .calibration import Calibration, calibrate
-from .dialects import DIALECTS, Dialect, dialect_of
+from .calls.redis_client import SCHEMES, is_redis_url
+from .fit import engine
+from .fit.budget import Budget, Reserve
+from .fit.report import Fit, FitReport
+from .fit.session import DEFAULT_CONVERSATION, Sessions
 from .messages import MessageLike
-from .policy import Policy, resolve_policy
-from .report import Fit, FitReport
-from .session import DEFAULT_CONVERSATION, Sessions
+from .servers.calibration import Calibration, calibrate
+from .servers.dialects import DIALECTS, Dialect, dialect_of
 from .strategies.base import LLMCall
+from .strategies.policy import Policy, resolve_policy
 from .tokens import TemplateLimits, TokenCounter, load_counter
 
 # The fit's types live in their own modules; importable from here as they always were.
@@ -43,14 +43,14 @@ def _reads_facts(ledger: object, shared: object) -> bool:
     (one URL); different URLs stay apart."""
     if ledger is None or shared is None:
         return False
-    from .redis_ledger import RedisLedger
-    from .shared import SharedState
+    from .calls.redis_ledger import RedisLedger
+    from .calls.shared import SharedState
 
     return isinstance(ledger, RedisLedger) and isinstance(shared, SharedState) and ledger.url == shared.url
 
 
 def _is_shared_state(value: object) -> bool:
-    from .shared import SharedState
+    from .calls.shared import SharedState
 
     return isinstance(value, SharedState)
 
@@ -76,11 +76,11 @@ class ContextKeeper:
     which is ``kv_capacity`` tokens when given (a server's own figure, e.g. vLLM's "GPU KV cache size") or else
     planned from ``model`` and ``gpu`` at ``concurrency``; ``monitor`` (a
     :class:`~contextkeeper.diagnose.MemoryMonitor`) is sampled after every call.
-    ``server``: whose preprocessing counts follow (a name in :data:`~contextkeeper.dialects.DIALECTS`, default
+    ``server``: whose preprocessing counts follow (a name in :data:`~contextkeeper.servers.dialects.DIALECTS`, default
     vLLM's), or ``"auto"``: the first :meth:`wrap` of an openai client asks that server once which it is.
 
     Many processes and replicas (docs/scaling.md): ``ledger`` (a Redis URL) admits every process against one KV
-    pool named ``ledger_pool``; ``shared`` (a Redis URL or a :class:`~contextkeeper.shared.SharedState`; by default
+    pool named ``ledger_pool``; ``shared`` (a Redis URL or a :class:`~.calls.shared.SharedState`; by default
     the ledger's URL; False: off) shares what is learned once: server limits and hidden tokens, detected servers,
     summaries with a per-conversation lease. ``transcript`` may be a ``postgresql://`` URL. When Redis cannot be
     reached, ``ledger_unavailable`` / ``shared_unavailable`` (by default the ledger's choice) say "fail" (a typed
@@ -170,7 +170,7 @@ class ContextKeeper:
         self.last_fit: Fit | None = None  # the latest fit of any conversation
         # Wrapped calls (see wrap): what they share, made on first use.
         self.gpu, self.concurrency, self.runtime, self.kv_dtype = gpu, concurrency, runtime, kv_dtype
-        from .transcript import check_transcript
+        from .calls.transcript.store import check_transcript
 
         if ledger is not None and not is_redis_url(ledger):
             raise ConfigurationError(
@@ -306,14 +306,14 @@ class ContextKeeper:
 
     @property
     def shared(self) -> Any:
-        """What replicas learn once, in Redis (a :class:`~contextkeeper.shared.SharedState`; None: this process
+        """What replicas learn once, in Redis (a :class:`~.calls.shared.SharedState`; None: this process
         only). Connected on first use; unreachable, it is a :class:`SharedUnavailable` error, or with
         ``shared_unavailable="local"`` a warning and None."""
         if self._shared_spec is None or self._shared is not None:
             return self._shared
         with self._shared_lock:
             if self._shared is None and self._shared_spec is not None:
-                from .shared import SharedState, SharedUnavailable
+                from .calls.shared import SharedState, SharedUnavailable
 
                 spec = self._shared_spec
                 try:
@@ -341,7 +341,7 @@ class ContextKeeper:
         def call(request: LLMCall) -> str:
             reply = summarizer(request)
             if inspect.isawaitable(reply):  # an async summarizer, reached from a wrapped async call's worker thread
-                from .backends.calls import CALLER_LOOP
+                from .calls.loop import CALLER_LOOP
 
                 loop = CALLER_LOOP.get()
                 if loop is None:
@@ -376,7 +376,7 @@ class ContextKeeper:
 
     def _adopt(self, client: Any) -> None:
         """Ask the server behind ``client`` which it is (once), and count with its dialect from now on."""
-        from .detection import Detection, DetectionWarning, detect_server
+        from .servers.detection import Detection, DetectionWarning, detect_server
 
         shared = self.shared
         url = str(client.base_url)
@@ -417,9 +417,9 @@ class ContextKeeper:
         self._sessions = Sessions(self.counter, self.conversations)  # counts made the old way are not reused
 
     def _make_calls(self) -> Any:
-        from .backends.calls import Calls
-        from .ledger import capacity_from_plan
-        from .transcript import open_transcript
+        from .calls.ledger import capacity_from_plan
+        from .calls.loop import Calls
+        from .calls.transcript.store import open_transcript
 
         settings = self._call_settings
         capacity = settings["capacity"]
@@ -442,11 +442,11 @@ class ContextKeeper:
 
     def _ledger(self, capacity: int | None, source: str | None) -> Any:
         """The KV ledger of wrapped calls: this process's, or the pool's in Redis (``ledger=``)."""
-        from .ledger import Ledger
+        from .calls.ledger import Ledger
 
         settings = self._call_settings
         if settings["ledger"] is not None:
-            from .redis_ledger import LedgerUnavailable, RedisLedger
+            from .calls.redis_ledger import LedgerUnavailable, RedisLedger
 
             try:
                 return RedisLedger(
@@ -471,14 +471,14 @@ class ContextKeeper:
     @property
     def transcript(self) -> Any:
         """Everything wrapped calls sent and received, and what each fit dropped or rewrote."""
-        from .backends.calls import calls_of
+        from .calls.loop import calls_of
 
         return calls_of(self).transcript
 
     @property
     def ledger(self) -> Any:
         """The active tokens of wrapped calls in flight (admission against the GPU's KV capacity)."""
-        from .backends.calls import calls_of
+        from .calls.loop import calls_of
 
         return calls_of(self).ledger
 

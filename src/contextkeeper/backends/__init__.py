@@ -1,23 +1,11 @@
-"""Chat-client wrappers and their backends: the openai SDK, local transformers models, plain callables.
-
-``keeper.wrap(client)`` picks the wrapper from a registry (:func:`register_wrapper`); each backend has one
-method, ``complete``. Provider errors are mapped in one place (:mod:`.errors`).
+"""Client facades: what ``keeper.wrap(client)`` returns for the openai SDK (:mod:`.openai`), a local transformers
+model (:mod:`.transformers`) and plain callables (:mod:`.callable`). Each registers its wrapper in
+:mod:`.registry` as it loads; the call itself runs in :mod:`contextkeeper.calls`.
 """
 
-from .base import Backend, Reply, Request, register_wrapper, wrap
-from .calls import CallReport, DriftWarning, ServerState
-from .errors import Failure, classify, parse_context_error
+from . import callable as _callable  # noqa: F401  (registration order: the order wrappers are tried)
+from . import openai as _openai  # noqa: F401
+from . import transformers as _transformers  # noqa: F401
+from .registry import register_wrapper, wrap
 
-__all__ = [
-    "Backend",
-    "CallReport",
-    "DriftWarning",
-    "Failure",
-    "Reply",
-    "Request",
-    "ServerState",
-    "classify",
-    "parse_context_error",
-    "register_wrapper",
-    "wrap",
-]
+__all__ = ["register_wrapper", "wrap"]

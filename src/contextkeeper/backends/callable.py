@@ -12,8 +12,9 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .base import Reply, Request, register_wrapper, reply_from
-from .calls import Call, call_async, call_sync, calls_of, options
+from ..calls.base import Reply, Request, reply_from
+from ..calls.loop import Call, call_async, call_sync, calls_of, options
+from .registry import register_wrapper
 
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper

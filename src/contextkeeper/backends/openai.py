@@ -29,10 +29,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._redis import safe_url
-from .base import Reply, Request, register_wrapper, reply_from, usage_of
-from .calls import Call, cached_tokens_of, call_async, call_sync, calls_of, options
-from .servers import kind_of_reply, kind_of_url
+from ..calls.base import Reply, Request, reply_from, usage_of
+from ..calls.loop import Call, cached_tokens_of, call_async, call_sync, calls_of, options
+from ..calls.redis_client import safe_url
+from ..servers.kinds import kind_of_reply, kind_of_url
+from .registry import register_wrapper
 
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..calls.base import Reply, Request
+from ..calls.loop import Call, call_sync, calls_of, options
 from ..diagnose.profile import cache_bytes
 from ..messages import server_view
 from ..tokens.hf import detect_content_format
-from .base import Reply, Request, register_wrapper
-from .calls import Call, call_sync, calls_of, options
+from .registry import register_wrapper
 
 if TYPE_CHECKING:
     from ..keeper import ContextKeeper

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Generic, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeAlias, TypeVar
 
 from .._exceptions import ConfigurationError
 from .dtypes import DType, dtype
@@ -25,7 +25,9 @@ from .layers import (
     SlidingAttention,
 )
 from .limits import check_choice, check_fields, check_numbers
-from .model import ModelSpec
+
+if TYPE_CHECKING:  # (the model reaches its runtimes through ModelSpec.kv: a type-only import back)
+    from .model import ModelSpec
 
 __all__ = [
     "RUNTIMES",

@@ -1,6 +1,6 @@
 """The proxy itself: an ASGI app (Starlette) in front of an OpenAI-compatible server.
 
-``POST /v1/chat/completions`` goes through the keeper's wrapped-call machinery (:mod:`..backends.calls`, the
+``POST /v1/chat/completions`` goes through the keeper's wrapped-call machinery (:mod:`..calls.loop`, the
 same steps as ``keeper.wrap(openai.AsyncOpenAI(...))``): fitted with the request's own ``tools`` and answer
 budget, admitted against the KV capacity, sent with the openai SDK, refusals for length recovered and transport
 errors retried within the same bounds, recorded in the keeper's transcript. Streams pass through chunk by chunk.
@@ -41,8 +41,8 @@ from starlette.routing import Route as HTTPRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._exceptions import ConfigurationError, RequestRejected
-from .._redis import safe_url
-from ..backends.calls import Call, CallReport, Options, call_async, calls_of
+from ..calls.loop import Call, CallReport, Options, call_async, calls_of
+from ..calls.redis_client import safe_url
 from .access import UNFITTED, Access, Caller, Forwarding, loopback_host
 from .config import ProxyConfig, Route, build_routes
 from .errors import error_body, error_reply
@@ -54,10 +54,10 @@ if TYPE_CHECKING:
     import httpx2
     import openai
 
-    from ..backends.base import Reply
-    from ..backends.base import Request as Sent
     from ..backends.openai import OpenAIBackend
-    from ..report import Fit
+    from ..calls.base import Reply
+    from ..calls.base import Request as Sent
+    from ..fit.report import Fit
     from ..strategies.base import Action
     from .metrics import ProxyMetrics
 
@@ -375,7 +375,7 @@ class Proxy:
         limits: InputLimits | None = None,
         forward: Sequence[str] = (),
     ) -> None:
-        from ..backends.calls import options
+        from ..calls.loop import options
 
         if not routes:
             raise ValueError("a proxy needs at least one route (a model entry with its keeper)")

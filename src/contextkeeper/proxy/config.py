@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from .._exceptions import ConfigurationError, ContextKeeperError
-from ..strategies._settings import Settings
+from ..strategies.settings import Settings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -119,7 +119,7 @@ class ModelEntry(Settings):
     @field_validator("server")
     @classmethod
     def _server(cls, value: str | None) -> str | None:
-        from ..dialects import DIALECTS
+        from ..servers.dialects import DIALECTS
 
         if value is not None and value not in DIALECTS and value != "auto":
             raise ValueError("an unknown dialect")
@@ -275,7 +275,7 @@ class ProxyConfig(Settings):
         return _server_limits(self.connections or {})
 
     def __repr__(self) -> str:  # never show keys
-        from .._redis import safe_url
+        from ..calls.redis_client import safe_url
 
         hidden = {"api_key", "upstream_api_key", "admin_key"}  # never shown, in logs or errors
         shown: dict[str, Any] = {}

@@ -30,9 +30,9 @@ from .._exceptions import (
     TranscriptUnavailable,
     TransportError,
 )
-from ..ledger import AdmissionTimeout, ExceedsCapacity
-from ..redis_ledger import LedgerUnavailable
-from ..shared import SharedUnavailable
+from ..calls.ledger import AdmissionTimeout, ExceedsCapacity
+from ..calls.redis_ledger import LedgerUnavailable
+from ..calls.shared import SharedUnavailable
 
 __all__ = ["ErrorReply", "error_body", "error_reply"]
 

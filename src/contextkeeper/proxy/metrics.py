@@ -32,7 +32,7 @@ _SECONDS_UPSTREAM = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 _TOKENS = tuple(float(2**n) for n in range(7, 19))  # 128 ... 262,144
 _DRIFT = (-256.0, -64.0, -16.0, -4.0, -1.0, 0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
 
-# What a recovery note of the wrapped call starts with (backends/calls.py words them), and its label.
+# What a recovery note of the wrapped call starts with (calls/loop.py words them), and its label.
 _RECOVERY_KINDS = (
     ("refused for length", "context_length"),
     ("out of memory", "out_of_memory"),

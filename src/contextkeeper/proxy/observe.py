@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..backends.calls import CallReport
-    from ..report import Fit
+    from ..calls.loop import CallReport
+    from ..fit.report import Fit
 
 __all__ = ["DebugStore", "Exchange", "Observer"]
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 from ._embeddings import get_embedder
 from .base import (
     STRATEGIES,
@@ -20,12 +18,11 @@ from .base import (
     StrategySettings,
     Trigger,
     TurnCount,
-    build_strategy,
     register,
     run_async,
     run_sync,
-    settings_model,
 )
+from .registry import build_strategy, settings_model
 
 __all__ = [
     "STRATEGIES",
@@ -49,15 +46,3 @@ __all__ = [
     "run_sync",
     "settings_model",
 ]
-
-# Each built-in strategy registers itself when its module is imported.
-_BUILTIN = ("dedupe", "prune_tool_results", "truncate", "retrieval", "summarize", "sliding_window")
-
-
-def _load_builtin() -> None:
-    for name in _BUILTIN:
-        try:
-            importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise

@@ -16,7 +16,7 @@ import dataclasses
 import inspect
 import itertools
 import typing
-from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -25,7 +25,7 @@ from pydantic import Field, create_model
 from .._exceptions import ConfigurationError
 from .._memo import IdentityMemo, data_size, shared_prefix
 from ..messages import Message
-from ._settings import Settings
+from .settings import Settings
 
 __all__ = [
     "STRATEGIES",
@@ -42,11 +42,9 @@ __all__ = [
     "StrategySettings",
     "Trigger",
     "TurnCount",
-    "build_strategy",
     "register",
     "run_async",
     "run_sync",
-    "settings_model",
     "with_content",
 ]
 
@@ -423,43 +421,6 @@ def _own_model(cls: type[Any]) -> type[Settings]:
             fields[parameter.name] = (annotation, Field(default=parameter.default, validate_default=False))
     model: type[Settings] = create_model(f"{cls.__name__}Settings", __base__=Settings, **fields)
     return model
-
-
-def settings_model(name: str) -> type[Settings]:
-    """The settings model of the registered strategy ``name`` (its fields: the keys a policy step may set)."""
-    from . import _load_builtin
-
-    _load_builtin()
-    if name not in _SETTINGS:
-        raise ConfigurationError(
-            f"unknown strategy {name!r}; registered strategies: {', '.join(sorted(STRATEGIES))}. "
-            "Fix: use one of those names, or register your strategy (contextkeeper.strategies.register) first"
-        )
-    return _SETTINGS[name]
-
-
-def build_strategy(
-    name: str,
-    settings: Mapping[str, Any] | None = None,
-    *,
-    where: str | None = None,
-    error: type[ConfigurationError] | None = None,
-) -> Strategy:
-    """The registered strategy ``name`` configured with ``settings`` (checked against its settings model).
-
-    A bad setting raises ``error`` (ConfigurationError) whose message starts with ``where`` (default
-    ``strategy 'name'``) and names the key, the value and what is allowed."""
-    model = settings_model(name)
-    checked = model.checked(settings or {}, where=where or model.subject, error=error)
-    cls = STRATEGIES[name]
-    if cls is model:
-        strategy: Strategy = checked  # type: ignore[assignment]
-        return strategy
-    try:
-        strategy = cls(**{key: getattr(checked, key) for key in checked.model_fields_set})
-    except (TypeError, ValueError) as exc:
-        raise (error or ConfigurationError)(f"{where or model.subject}: {exc}") from None
-    return strategy
 
 
 # ------------------------------------------------------------------------------------------- drivers

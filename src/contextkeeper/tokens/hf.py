@@ -18,7 +18,6 @@ import jinja2.nodes
 
 from .._exceptions import ChatTemplateError, ConfigurationError, CountingError
 from .._memo import IdentityMemo, data_size, memoize, shared_prefix, shared_suffix
-from ..dialects import Dialect, dialect_of
 from ..messages import (
     ContentPart,
     Conversation,
@@ -28,6 +27,7 @@ from ..messages import (
     server_view_message,
     surrogate_at,
 )
+from ..servers.dialects import Dialect, dialect_of
 from ._sandbox import (
     FROZEN_JSON,
     JINJA_RULES,

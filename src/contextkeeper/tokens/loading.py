@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .._exceptions import ConfigurationError, TokenizerNotFound
-from ..dialects import Dialect, dialect_of
+from ..servers.dialects import Dialect, dialect_of
 from ._sandbox import TemplateLimits
 from .hf import ContentFormat, HFChatTemplateCounter, View
 from .media import MediaCost

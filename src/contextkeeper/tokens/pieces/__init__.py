@@ -52,6 +52,7 @@ from ._rules import (
     SpaceWords,
     UnicodeWords,
 )
+from ._split import common_prefix
 
 __all__ = [
     "RULES",
@@ -66,4 +67,5 @@ __all__ = [
     "Segments",
     "SpaceWords",
     "UnicodeWords",
+    "common_prefix",
 ]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from ._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError
 
 __all__ = ["SCHEMES", "RedisTarget", "connect", "connection_errors", "is_redis_url", "parse", "safe_url"]
 

@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ._exceptions import ConfigurationError, InvalidMessage
-from .messages import Message
+from .._exceptions import ConfigurationError, InvalidMessage
+from ..messages import Message
 
 __all__ = ["DIALECTS", "Dialect", "PromptEnd", "dialect_of"]
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .prefix import PrefixOf
-from .strategies.base import Action
+from ..strategies.base import Action
+from ..tokens.prefix import PrefixOf
 
 __all__ = ["Fit", "FitReport"]
 

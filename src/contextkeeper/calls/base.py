@@ -1,5 +1,4 @@
-"""What a backend is: one method, ``complete(request) -> Reply`` (or an awaitable of one), plus the registry that
-picks the wrapper for a client.
+"""What a backend is: one method, ``complete(request) -> Reply`` (or an awaitable of one).
 
 The keeper holds policy (fitting, admission, recovery, the transcript); a backend holds I/O: it sends an already
 fitted prompt and reports what came back. A wrapper gives the caller the client's own call shape around that.
@@ -11,12 +10,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .servers import kind_of_reply
+from ..servers.kinds import kind_of_reply
 
 if TYPE_CHECKING:
-    from ..keeper import ContextKeeper
+    pass
 
-__all__ = ["Backend", "Reply", "Request", "register_wrapper", "reply_from", "usage_of", "wrap"]
+__all__ = ["Backend", "Reply", "Request", "reply_from", "usage_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,34 +93,3 @@ class Backend(Protocol):
     server: str
 
     def complete(self, request: Request) -> Reply | Awaitable[Reply]: ...
-
-
-# (accepts(client), build(keeper, client, options) -> wrapped client), tried in registration order.
-_WRAPPERS: list[tuple[Callable[[Any], bool], Callable[..., Any]]] = []
-
-
-def register_wrapper(accepts: Callable[[Any], bool]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a wrapper factory for the clients ``accepts`` recognises."""
-
-    def decorate(build: Callable[..., Any]) -> Callable[..., Any]:
-        _WRAPPERS.append((accepts, build))
-        return build
-
-    return decorate
-
-
-def wrap(keeper: ContextKeeper, client: Any, **options: Any) -> Any:
-    """``client`` with its own call shape, every call fitted by ``keeper`` (see :meth:`ContextKeeper.wrap`)."""
-    from .._exceptions import ConfigurationError
-    from . import callable as _callable  # noqa: F401  (each module registers its wrapper on import)
-    from . import openai as _openai  # noqa: F401
-    from . import transformers as _transformers  # noqa: F401
-
-    for accepts, build in _WRAPPERS:
-        if accepts(client):
-            return build(keeper, client, **options)
-    raise ConfigurationError(
-        f"cannot wrap this {type(client).__module__}.{type(client).__name__}: pass an openai.OpenAI or AsyncOpenAI "
-        "client, a transformers model (with tokenizer=...) or text-generation pipeline, or a callable taking "
-        "(messages, **kwargs)"
-    )

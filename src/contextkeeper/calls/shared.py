@@ -38,8 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from ._exceptions import ConfigurationError, TransportError
-from ._redis import connect, connection_errors, safe_url
+from .._exceptions import ConfigurationError, TransportError
+from .redis_client import connect, connection_errors, safe_url
 
 __all__ = ["ConversationShare", "ServerFacts", "SharedState", "SharedUnavailable", "SummaryClaim"]
 

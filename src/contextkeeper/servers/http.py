@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from ._exceptions import ConfigurationError, TransportError
+from .._exceptions import ConfigurationError, TransportError
 
 
 def root_url(target: Any, purpose: str) -> str:

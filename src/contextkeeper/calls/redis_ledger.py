@@ -1,6 +1,6 @@
 """One KV ledger for every process and replica: admission against a shared pool, kept in Redis.
 
-A :class:`RedisLedger` is a :class:`~contextkeeper.ledger.Ledger` whose active tokens live in Redis, so four
+A :class:`RedisLedger` is a :class:`~contextkeeper.calls.ledger.Ledger` whose active tokens live in Redis, so four
 workers of one app, or eight replicas behind a load balancer, admit against the one KV pool their inference
 server has. Each decision is one server-side script (checked and booked atomically, timed by Redis's own clock):
 
@@ -36,7 +36,7 @@ server has. Each decision is one server-side script (checked and booked atomical
   re-booked, and when.
 
 Keys are ``{ck:<pool>}:...``: one hash tag per pool, so every key of a script sits in one Redis Cluster slot.
-``url`` is any form :mod:`contextkeeper._redis` reads: one server, TLS, a Redis Cluster, or Sentinel.
+``url`` is any form :mod:`contextkeeper.calls.redis_client` reads: one server, TLS, a Redis Cluster, or Sentinel.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from ._exceptions import ConfigurationError, TransportError
-from ._redis import connect, connection_errors
-from ._redis import safe_url as _safe
+from .._exceptions import ConfigurationError, TransportError
 from .ledger import AdmissionTimeout, ExceedsCapacity, Ledger, Mode, Ticket, _check_seconds
+from .redis_client import connect, connection_errors
+from .redis_client import safe_url as _safe
 
 __all__ = ["LedgerUnavailable", "RedisLedger"]
 

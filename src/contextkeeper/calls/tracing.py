@@ -1,6 +1,6 @@
 """OpenTelemetry spans of wrapped calls: one per call, with a child per fit and one per upstream attempt.
 
-Emitted by the wrapped-call steps (:mod:`.backends.calls`), so ``keeper.wrap()`` users and the proxy get the same
+Emitted by the wrapped-call steps (:mod:`.loop`), so ``keeper.wrap()`` users and the proxy get the same
 spans. Only the OpenTelemetry API is used; the application installs the SDK and sets a tracer provider. Without
 one (or without ``opentelemetry-api``) :func:`start` returns None and every hook is a no-op: nothing is read or
 counted for a span nobody records.
@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
-    from .backends.base import Reply, Request
-    from .backends.calls import Call, CallReport
-    from .report import Fit
+    from ..fit.report import Fit
+    from .base import Reply, Request
+    from .loop import Call, CallReport
 
 try:
     from opentelemetry import trace as _otel
@@ -56,10 +56,18 @@ def _tracer() -> Tracer | None:
         return None
     cached = _cached
     if cached is None or cached[0] is not provider:
-        from . import __version__
-
-        cached = _cached = (provider, provider.get_tracer(SCOPE, __version__))
+        cached = _cached = (provider, provider.get_tracer(SCOPE, _version()))
     return cached[1]
+
+
+def _version() -> str | None:
+    # (read from the installed distribution, not the package root: nothing here imports the root back)
+    from importlib import metadata
+
+    try:
+        return metadata.version("contextkeeper")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def start(call: Call) -> CallTrace | None:
@@ -230,7 +238,7 @@ def _fit_attributes(fit: Fit) -> dict[str, Any]:
         "contextkeeper.messages_after": report.messages_after,
         "contextkeeper.actions": _actions(fit),
         "contextkeeper.strategies": list(dict.fromkeys(a.strategy for a in report.actions)),
-        "contextkeeper.policy": report.policy,
+        "contextkeeper.strategies.policy": report.policy,
         "contextkeeper.fit_seconds": report.seconds,
     }
     if report.tokens_before is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._exceptions import ConfigurationError, RequestTooLarge
+from .._exceptions import ConfigurationError, RequestTooLarge
 
 __all__ = ["Budget", "Reserve"]
 

@@ -20,7 +20,7 @@ keeps the caller's key order at every depth (a template renders keys in that ord
 as the sent one did). Index lists are stored as runs. :class:`MemoryTranscript` keeps this in dicts (the default
 store, ``open_transcript(None)``, is bounded by :data:`DEFAULT_MEMORY_BYTES` and evicts the least recently used
 conversations whole); :class:`SQLiteTranscript` in a SQLite file (WAL mode) that survives restarts;
-``PostgresTranscript`` (:mod:`contextkeeper.pg_transcript`) in Postgres, shared by every process and replica.
+``PostgresTranscript`` (:mod:`.postgres`) in Postgres, shared by every process and replica.
 Those two are the user's storage: never evicted.
 """
 
@@ -44,9 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._exceptions import ConfigurationError, ContextKeeperError, MessageError, UnknownCall
-from ._memo import IdentityMemo, Memo, data_size
-from .messages import MAX_DEPTH, Message, _problem
+from ..._exceptions import ConfigurationError, ContextKeeperError, MessageError, UnknownCall
+from ..._memo import IdentityMemo, Memo, data_size
+from ...messages import MAX_DEPTH, Message
+from ...messages.guard import find_problem
 
 __all__ = [
     "DEFAULT_MEMORY_BYTES",
@@ -177,7 +178,7 @@ def _serial(value: Any) -> str:
     its containers: written ahead of any fit, it must not hang ``json.dumps`` (a list shared many times over
     writes out 2**depth times) or reach the file as text SQLite cannot encode."""
     if isinstance(value, (dict, list)):
-        problem = _problem(value, MAX_DEPTH)
+        problem = find_problem(value, MAX_DEPTH)
         if problem is not None:
             where, what, fix = problem
             raise MessageError(f"cannot record this call: {where}: {what}", fix=fix)
@@ -221,14 +222,14 @@ def _key(message: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _is_summary(message: dict[str, Any]) -> bool:
-    from .strategies.summarize import SUMMARY_PREFIX
+    from ...strategies.summarize import SUMMARY_PREFIX
 
     content = message.get("content")
     return message.get("role") == "user" and isinstance(content, str) and content.startswith(SUMMARY_PREFIX)
 
 
 def _is_ack(message: dict[str, Any]) -> bool:
-    from .strategies.summarize import ACKNOWLEDGEMENT
+    from ...strategies.summarize import ACKNOWLEDGEMENT
 
     return message.get("role") == "assistant" and message.get("content") == ACKNOWLEDGEMENT
 
@@ -903,7 +904,7 @@ class Transcript:
         call was refused before anything was written (the write itself refused it); then ``conversation``,
         ``inputs`` and ``tools`` describe it and only their counts are recorded. Returns the refusal's entry
         (``status="refused"``). A store over the network that cannot be reached records it once it can (see
-        :class:`~contextkeeper.pg_transcript.PostgresTranscript`) instead of raising."""
+        :class:`~contextkeeper.calls.transcript.postgres.PostgresTranscript`) instead of raising."""
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         sizes: dict[str, int | None]
         if started is None:
@@ -1691,8 +1692,8 @@ _SQLITE_HEADER = b"SQLite format 3\x00"
 #: imported only when such a URL is given (its client library is an extra); the class has ``check_url(url)``
 #: (validates without connecting, raises :class:`ConfigurationError`) and is built as ``cls(url)``.
 URL_STORES: dict[str, str] = {
-    "postgresql": "contextkeeper.pg_transcript:PostgresTranscript",
-    "postgres": "contextkeeper.pg_transcript:PostgresTranscript",
+    "postgresql": "contextkeeper.calls.transcript.postgres:PostgresTranscript",
+    "postgres": "contextkeeper.calls.transcript.postgres:PostgresTranscript",
 }
 
 
@@ -1773,7 +1774,7 @@ def check_transcript(spec: Any) -> Transcript | Path | str | None:
 def open_transcript(spec: Transcript | str | Path | None) -> Transcript:
     """None: a :class:`MemoryTranscript` bounded by :data:`DEFAULT_MEMORY_BYTES`; a path: a
     :class:`SQLiteTranscript` there; a URL: the store of its scheme (``postgresql://``: a
-    :class:`~contextkeeper.pg_transcript.PostgresTranscript`); a transcript: itself. A bad value is a
+    :class:`~contextkeeper.calls.transcript.postgres.PostgresTranscript`); a transcript: itself. A bad value is a
     :class:`ConfigurationError` (see :func:`check_transcript`)."""
     checked = check_transcript(spec)
     if checked is None:

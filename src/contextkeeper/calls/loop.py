@@ -26,7 +26,7 @@ exactly. What is learned from those drifts is bounded, scoped and heals (:class:
   usage or its refusal's numbers) is learned, so the state always heals.
 
 With shared state, each replica writes its own facts, and a reader combines the fresh ones (the lower median of
-their offsets, the least stated limit): one replica cannot move the others (see :mod:`contextkeeper.shared`).
+their offsets, the least stated limit): one replica cannot move the others (see :mod:`contextkeeper.calls.shared`).
 
 A refusal without numbers shrinks the budget by a step that doubles. A local out-of-memory error shrinks the prompt
 to three quarters. Transport errors (timeouts, 429, 5xx, malformed replies, a stream that breaks before its first
@@ -59,7 +59,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
 
-from .. import tracing
 from .._exceptions import (
     ConfigurationError,
     ContextLengthExceeded,
@@ -73,21 +72,24 @@ from .._exceptions import (
     TranscriptUnavailable,
     TransportError,
 )
-from ..dialects import DIALECTS
-from ..ledger import ExceedsCapacity
-from ..shared import ServerFacts, WrittenFacts, lower_median
+from ..fit.budget import Reserve
+from ..fit.report import Fit
+from ..servers.dialects import DIALECTS
+from ..servers.kinds import Drift, fewer_advice, kind_of_error
 from ..tokens.media import PART_MODALITY
+from . import tracing
 from .base import Backend, Reply, Request
 from .errors import Attempted, Failure, classify, provider_error
-from .servers import Drift, fewer_advice, kind_of_error
+from .ledger import ExceedsCapacity
+from .shared import ServerFacts, WrittenFacts, lower_median
 
 if TYPE_CHECKING:
-    from ..keeper import ContextKeeper, Fit, Reserve
-    from ..ledger import Ledger, Ticket
-    from ..redis_ledger import RedisLedger
-    from ..session import Session
-    from ..shared import SharedState
-    from ..transcript import Begun, TranscriptEntry
+    from ..fit.session import Session
+    from ..keeper import ContextKeeper
+    from .ledger import Ledger, Ticket
+    from .redis_ledger import RedisLedger
+    from .shared import SharedState
+    from .transcript.store import Begun, TranscriptEntry
 
 __all__ = [
     "PROMPT_FIELDS",
@@ -611,8 +613,6 @@ class Call:
         return fit
 
     def _fit_once(self, withheld: int, trusted: bool) -> Fit:
-        from ..keeper import Fit
-
         # The conversation's own session: its fits follow one another, other conversations fit alongside.
         fit = self.keeper.fit(
             self.messages,
@@ -637,8 +637,6 @@ class Call:
 
     def _reserve(self, withheld: int, trusted: bool) -> Reserve:
         """How this fit's reserve is made up, for the keeper's errors: the answer's setting and what is withheld."""
-        from ..keeper import Reserve
-
         reasons = self._reasons(trusted) if withheld else []
         return Reserve(
             answer_setting=self.answer_key,
@@ -748,8 +746,6 @@ class Call:
     def prepare(self) -> Generator[tuple[int, int], Ticket, Request]:
         """Fit under everything learned so far, then ask the driver for room in the ledger (it yields
         ``(tokens, minimum)`` and receives the ticket; sync and async drivers wait differently)."""
-        from ..keeper import RequestTooLarge
-
         self.attempts += 1
         self.checking = False
         self.granted = None

@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._exceptions import TransportError
-from ._http import api_key, request_json, root_url
-from .backends.servers import kind_of_url
+from .._exceptions import TransportError
+from .http import api_key, request_json, root_url
+from .kinds import kind_of_url
 
 __all__ = ["OWNERS", "SIGNS", "Detection", "DetectionWarning", "Sign", "detect_server"]
 

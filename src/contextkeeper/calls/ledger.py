@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ._exceptions import ConfigurationError, ContextKeeperError
+from .._exceptions import ConfigurationError, ContextKeeperError
 
 __all__ = ["AdmissionTimeout", "ExceedsCapacity", "Ledger", "Ticket", "capacity_from_plan"]
 
@@ -528,7 +528,7 @@ def capacity_from_plan(
 
     Raises :class:`ConfigurationError` when the weights alone leave no room for any KV cache.
     """
-    from .memory.plan import kv_pool_tokens, plan
+    from ..memory.plan import kv_pool_tokens, plan
 
     pool = kv_pool_tokens(
         model,

@@ -10,11 +10,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._memo import IdentityMemo
-from .messages import Conversation, Message
-from .strategies.base import Items
-from .tokens import BatchTextCounting, Forgetting, Forking, TextBounding, TextCounting, TokenCounter
-from .tokens.breakdown import HeadCounts
+from .._memo import IdentityMemo
+from ..messages import Conversation, Message
+from ..strategies.base import Items
+from ..tokens import BatchTextCounting, Forgetting, Forking, TextBounding, TextCounting, TokenCounter
+from ..tokens.breakdown import HeadCounts
+from .raw import fingerprint
 
 if TYPE_CHECKING:
     from .report import Fit
@@ -130,7 +131,7 @@ class Session:
     last_fit: Fit | None = None
     prompt_text: str | None = None  # the previous fit's prompt as the counter tokenizes it (for its shared prefix)
     prompted: bool = False  # a fit was made (its prompt_text None: not measurable by token ids)
-    meter: Any = None  # the counter's prefix meter (contextkeeper.prefix), found on the first fit
+    meter: Any = None  # the counter's prefix meter (contextkeeper.tokens.prefix), found on the first fit
     metered: bool = False
     memory: dict[str, Any] = field(default_factory=dict)  # the strategies' own state (FitState.memory)
     adopted: WindowState | None = None  # another process's window, taken up by the next fit (see adopt)
@@ -164,8 +165,6 @@ class Session:
     def window_state(self) -> WindowState | None:
         """This conversation's window start and rewrites, for another process to :meth:`adopt` (None before a fit,
         or after one that fitted from scratch, such as a fresh summary)."""
-        from .engine import fingerprint
-
         sticky = self.sticky
         if sticky is None or not sticky.inputs or sticky.start >= len(sticky.inputs):
             return None

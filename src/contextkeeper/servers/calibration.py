@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ._exceptions import ConfigurationError, ContextKeeperError
-from ._http import request_json, root_url
+from .._exceptions import ConfigurationError, ContextKeeperError
+from .http import request_json, root_url
 
 __all__ = ["PROBES", "Calibration", "Probe", "ProbeResult", "calibrate"]
 

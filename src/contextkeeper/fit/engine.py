@@ -4,32 +4,33 @@
 pipeline (:func:`read`, giving a :class:`Draft`); when strategies left room and older history was left unread,
 it reads further and fits again. The draft it keeps is checked against every guarantee and handed back in the
 caller's format with its report (:func:`finish`). State between fits lives only in the conversation's
-:class:`~contextkeeper.session.Session`; state within one read only in its :class:`Counts` and :class:`Draft`.
+:class:`~contextkeeper.fit.session.Session`; state within one read only in its :class:`Counts` and :class:`Draft`.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from ._exceptions import ContextKeeperError, InvariantViolation, MessageError
-from ._memo import shared_prefix
+from .._exceptions import ContextKeeperError, InvariantViolation, MessageError
+from .._memo import shared_prefix
+from ..messages import Conversation, Message, MessageLike
+from ..messages.conversation import group_units, restore_conversation
+from ..strategies.base import Action, FitState, Foresight, Item, Items, LLMCall, Pipeline, run_sync
+from ..strategies.prune_tool_results import PruneToolResults
+from ..strategies.sliding_window import SlidingWindow
+from ..strategies.turn import compact_turn
+from ..tokens import PromptBounding, ToolFreezing
+from ..tokens.breakdown import head_counts, prompt_slots
+from ..tokens.prefix import PrefixOf, meter_for
 from .budget import Budget
-from .messages import Conversation, Message, MessageLike, _group_units, _restore_conversation
-from .prefix import PrefixOf, meter_for
+from .raw import fingerprint, role_of, texts_of
 from .report import Fit, FitReport, _Breakdown
 from .session import Rates, Session, Sticky
-from .strategies._turn import compact_turn
-from .strategies.base import Action, FitState, Foresight, Item, Items, LLMCall, Pipeline, run_sync
-from .strategies.prune_tool_results import PruneToolResults
-from .strategies.sliding_window import SlidingWindow
-from .tokens import PromptBounding, ToolFreezing
-from .tokens.breakdown import head_counts, prompt_slots
 
 __all__ = ["Ask", "Counts", "Draft", "Setup", "fit"]
 
@@ -53,52 +54,9 @@ class Setup:
         return self.backend is not None or not getattr(strategy, "needs_backend", False)
 
 
-def _role(message: Any) -> str:
-    role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
-    return str(role) if role is not None else ""
-
-
-def _texts(message: Any) -> tuple[str, str]:
-    """A message's text as the horizon measures it: its content, and its tool calls (names and arguments).
-    Read before the message is validated, so only strings are taken as they are: a part or an argument that
-    is not a string stands for a fixed size (written out, a caller's data could be any size: a structure that
-    holds one list in many places would be written out once per path)."""
-    content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
-    if isinstance(content, str):
-        text = content
-    elif isinstance(content, (list, tuple)):
-        text = "".join(_part_text(part) for part in content[:_PARTS])
-    else:
-        text = ""
-    calls = message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)
-    if not isinstance(calls, (list, tuple)) or not calls:
-        return text, ""
-    return text, "".join(_call_text(call) for call in calls[:_PARTS])
-
-
-_PARTS = 256  # content parts or tool calls measured per message (the rest are validated, then counted)
-_OPAQUE = " " * 16  # what a part or an argument that is not a string stands for
-
-
-def _part_text(part: Any) -> str:
-    value = part.get("text") if isinstance(part, dict) else part if isinstance(part, str) else None
-    return value if isinstance(value, str) else _OPAQUE
-
-
-def _call_text(call: Any) -> str:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict):
-        return _OPAQUE
-    name, arguments = function.get("name"), function.get("arguments")
-    # Written as templates write a call (most as JSON), so it is measured and weighed as that text.
-    name = name if isinstance(name, str) else ""
-    arguments = arguments if isinstance(arguments, str) else _OPAQUE * 4
-    return '{"name": "' + name + '", "arguments": ' + arguments + "}\n"
-
-
 def _chars(message: Any, role: str, rates: Rates) -> float:
-    """A message's size in the chat's own characters (see :class:`~contextkeeper.session.Rates`)."""
-    text, calls = _texts(message)
+    """A message's size in the chat's own characters (see :class:`~contextkeeper.fit.session.Rates`)."""
+    text, calls = texts_of(message)
     return len(text) * (rates.results if role == "tool" else 1.0) + len(calls) * rates.calls
 
 
@@ -127,7 +85,7 @@ def _samples(ask: Ask) -> dict[str, list[str]]:
     for index in range(len(ask.messages) - 1, ask.sys_end - 1, -1):
         if not open_kinds:
             break
-        text, calls = _texts(ask.messages[index])
+        text, calls = texts_of(ask.messages[index])
         found = (("results", text),) if ask.roles[index] == "tool" else (("text", text), ("calls", calls))
         for kind, sample in found:
             if sample and kind in open_kinds:
@@ -172,7 +130,7 @@ def assemble(units: Sequence[Items]) -> Conversation:
     messages = tuple([item.message for unit in units for item in unit])
     size = len(messages)
     formats = cast(tuple[Literal["message"], ...], ("message",) * size)
-    return _restore_conversation(messages, formats, (None,) * size)
+    return restore_conversation(messages, formats, (None,) * size)
 
 
 class _LazyRoles:
@@ -182,7 +140,7 @@ class _LazyRoles:
         self._messages = messages
 
     def __getitem__(self, index: int) -> str:
-        return _role(self._messages[index])
+        return role_of(self._messages[index])
 
 
 @dataclass(frozen=True)
@@ -220,10 +178,10 @@ class Ask:
             (counter.freeze_tools(tools) if isinstance(counter, ToolFreezing) else list(tools)) if tools else None
         )
         sys_end = 0
-        while sys_end < len(messages) and _role(messages[sys_end]) in ("system", "developer"):
+        while sys_end < len(messages) and role_of(messages[sys_end]) in ("system", "developer"):
             sys_end += 1
         last_user = next(
-            (i for i in range(len(messages) - 1, sys_end - 1, -1) if _role(messages[i]) == "user"), len(messages)
+            (i for i in range(len(messages) - 1, sys_end - 1, -1) if role_of(messages[i]) == "user"), len(messages)
         )
         return cls(
             messages=messages,
@@ -504,17 +462,6 @@ def _sticky(session: Session, messages: Sequence[Any], sys_end: int, last_user: 
     return previous
 
 
-def fingerprint(messages: Sequence[Any], start: int, length: int) -> str:
-    """A hash of the caller's messages at ``start`` and ``length - 1`` (role, text, tool calls), as a window state
-    names them (see :class:`~contextkeeper.session.WindowState`)."""
-    digest = hashlib.sha256(b"contextkeeper.window/1\n")
-    for index in (start, length - 1):
-        message = messages[index]
-        text, calls = _texts(message)
-        digest.update(f"{index}\x1e{_role(message)}\x1e{text}\x1e{calls}\x1f".encode("utf-8", "surrogatepass"))
-    return digest.hexdigest()
-
-
 def _adopted(session: Session, messages: Sequence[Any], sys_end: int, last_user: int) -> Sticky | None:
     """Another process's window for this conversation (``Session.adopt``), taken up once: its start, when the
     caller's list still holds the messages it saw there, and its cleared tool results."""
@@ -694,7 +641,7 @@ def _paired(session: Session, messages: tuple[Message, ...]) -> None:
         last = bisect.bisect_left(starts, shared) - 1  # the last unit that starts in the shared prefix
         if shared and last >= 0:
             start, prefix = starts[last], units[:last]
-    grouped = prefix + _group_units(messages, start)
+    grouped = prefix + group_units(messages, start)
     session.paired = (messages, grouped, [unit.start for unit in grouped])
 
 

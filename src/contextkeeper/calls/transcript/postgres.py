@@ -3,7 +3,7 @@
 ``ContextKeeper(..., transcript="postgresql://user@host/db")`` (or ``postgres://``) keeps the transcript in the
 tables of one Postgres schema (``schema=``, default ``contextkeeper``), so ``history(conversation)`` and
 ``recover(call)`` answer the same on every replica, and a conversation that moves to another replica goes on where
-it was. Storage is the shared :class:`~contextkeeper.transcript.Transcript` logic (content-addressed messages, a
+it was. Storage is the shared :class:`~.store.Transcript` logic (content-addressed messages, a
 trie of message lists, write-ahead calls) over these tables:
 
 - ``blobs (id, json)``: each distinct message, tools list or reply once; ``nodes (id, parent, blob)``: the trie
@@ -51,8 +51,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from ._exceptions import ConfigurationError, ContextKeeperError, TranscriptUnavailable, UnknownCall
-from .transcript import Transcript, _content, _Gone, _Row, safe_url
+from ..._exceptions import ConfigurationError, ContextKeeperError, TranscriptUnavailable, UnknownCall
+from .store import Transcript, _content, _Gone, _Row, safe_url
 
 if TYPE_CHECKING:
     import psycopg

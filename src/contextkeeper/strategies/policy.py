@@ -26,10 +26,11 @@ from typing import Any, ClassVar
 
 from pydantic import ConfigDict, Field, model_validator
 
-from ._exceptions import ConfigurationError, PolicyError
-from ._memo import memoize
-from .strategies._settings import Settings
-from .strategies.base import Always, OverBudget, Pipeline, Trigger, TurnCount, build_strategy, settings_model
+from .._exceptions import ConfigurationError, PolicyError
+from .._memo import memoize
+from .base import STRATEGIES, Always, OverBudget, Pipeline, Trigger, TurnCount
+from .registry import build_strategy, load_builtin, settings_model
+from .settings import Settings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -180,7 +181,7 @@ def _policy_dirs() -> list[Path]:
             dirs.append(Path(str(packaged)))
     except (ModuleNotFoundError, FileNotFoundError):
         pass
-    source = Path(__file__).resolve().parents[2] / "strategies"
+    source = Path(__file__).resolve().parents[3] / "strategies"
     if source.is_dir() and source not in dirs:
         dirs.append(source)
     return dirs
@@ -278,9 +279,7 @@ def _load_step(file: Path, index: int, raw: Any) -> PolicyStep:
 
 
 def _known() -> str:
-    from .strategies import STRATEGIES, _load_builtin
-
-    _load_builtin()
+    load_builtin()
     return ", ".join(sorted(STRATEGIES))
 
 

@@ -30,9 +30,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from .tokens import HFChatTemplateCounter, TokenCounter
-from .tokens.pieces._rules import Pieces, Segments
-from .tokens.pieces._split import common_prefix
+from . import HFChatTemplateCounter, TokenCounter
+from .pieces import Pieces, Segments, common_prefix
 
 __all__ = ["HFMeter", "Meter", "PrefixOf", "meter_for", "register_meter", "shared_ids"]
 
