@@ -1,4 +1,4 @@
-"""A process admitting calls against a shared Redis ledger, for tests/test_redis_ledger.py.
+"""A process admitting calls against a shared Redis ledger, for tests/calls/test_redis_ledger.py.
 
     python tests/ledger_worker.py churn URL POOL CAPACITY --seconds S --threads N --seed K [--lease L]
                                   [--hold MIN,MAX] [--odd]     # admit and release for S seconds

@@ -1,4 +1,4 @@
-"""A process of a replicated app sharing learned state through Redis, for tests/test_shared_state.py.
+"""A process of a replicated app sharing learned state through Redis, for tests/calls/test_shared_state.py.
 
     python tests/shared_worker.py learn REDIS_URL|off BASE_URL TOKENIZER_DIR          # one wrapped call
     python tests/shared_worker.py summarize REDIS_URL TOKENIZER_DIR READY_DIR CONV    # one fit, when 4 are ready

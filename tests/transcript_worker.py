@@ -1,4 +1,4 @@
-"""Processes writing and reading a Postgres transcript, for tests/test_pg_transcript.py.
+"""Processes writing and reading a Postgres transcript, for tests/calls/test_pg_transcript.py.
 
     python tests/transcript_worker.py write URL SCHEMA CONVERSATION TURNS   # record a chat; prints "done"
     python tests/transcript_worker.py read URL SCHEMA CONVERSATION CALL     # prints {"history", "recover", "status"}

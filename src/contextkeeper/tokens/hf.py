@@ -724,7 +724,7 @@ class HFChatTemplateCounter:
     ) -> int:
         """The slow, obvious count through ``tokenizer.apply_chat_template`` (for tests and audits) of the vLLM
         view. A dialect's own rules (its server's Jinja engine, continuation, BOS) are checked against recordings
-        of that server instead (tests/test_dialects.py), and its fast path against ``incremental=False``."""
+        of that server instead (tests/servers/test_dialects.py), and its fast path against ``incremental=False``."""
         conversation = messages if isinstance(messages, Conversation) else Conversation.from_messages(messages)
         plain, media = self._view(conversation)
         plain = self.dialect.prepare_conversation(

@@ -132,7 +132,7 @@ def test_a_growing_agent_chat_counts_as_the_whole_request(name: str) -> None:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from agent_conversation import TOOLS as AGENT_TOOLS
     from agent_conversation import build_script, mistral_call_ids
 

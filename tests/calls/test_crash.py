@@ -9,7 +9,7 @@ the kill may have caught before the call began), and every one the server receiv
 recorded as failed, with what arrived, and never as a reply.
 
 Children are forked from a "zygote" process that has imported everything and loaded the tokenizer once (this file,
-run as ``python tests/test_crash.py --zygote``), so a restart costs milliseconds, not the seconds an import takes.
+run as ``python tests/calls/test_crash.py --zygote``), so a restart costs milliseconds, not the seconds an import takes.
 
 Run with ``-s`` (or ``-rP``) to see the figures.
 """
@@ -70,7 +70,7 @@ def _app(counter: Any, base_url: str, db: str, log: str, seed: int) -> None:
 def _zygote() -> None:
     """Load once, then fork an app per "run" line; "reap PID" waits for a killed one."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the tokenizer's thread pool does not survive a fork
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import openai  # imported before forking, like everything the app needs
     from transformers import AutoTokenizer
 

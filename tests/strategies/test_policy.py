@@ -20,7 +20,7 @@ from contextkeeper.strategies.policy import policy_files, resolve_policy
 from conversations import TOOLS
 from strategy_state import agent_chat, check_invariants, plain_chat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Each built-in policy with a tokenizer + template of its family (real assets).
 FAMILY: dict[str, tuple[str, str | None]] = {

@@ -30,7 +30,7 @@ from contextkeeper.tokens.pieces._rules import (
     _symbols,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from agent_conversation import SCRIPTS, TOOLS, build, build_script
 
 TEMPLATE = "deepseek-ai-DeepSeek-V3.1"

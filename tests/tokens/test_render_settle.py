@@ -26,7 +26,7 @@ from contextkeeper.tokens.render import IncrementalRenderer, SplitTemplate, try_
 from contextkeeper.tokens.render.settle import NO_PLAN, Settled, settle, settled_loops
 from conversations import TOOLS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from agent_conversation import TOOLS as AGENT_TOOLS
 from agent_conversation import build, build_script
 

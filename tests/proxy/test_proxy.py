@@ -586,13 +586,13 @@ def test_a_long_chat_through_the_proxy_to_llama_server() -> None:
     """40 turns through the proxy in front of a real llama-server (a tiny model on the qwen2 vocabulary, with the
     recorded template), half of them streamed, with tools and tool rounds: the server counts every prompt as the
     proxy's header says, nothing is refused, and late turns are fitted into the server's context."""
+    from recorded_servers import RECORDED, live_llama_server
     from server_corpus import TEXTS, TOOL_SHAPES
-    from test_dialects import RECORDED, _live
 
     vocab, context, answer = "qwen2", 2048, 16
     tools = TOOL_SHAPES["tools-full"]
     texts = list(TEXTS.values())
-    with _live(vocab, context) as server:
+    with live_llama_server(vocab, context) as server:
         keeper = ck.ContextKeeper(
             str(tokenizer_dir(vocab)),
             chat_template=template(RECORDED[vocab]["template"]),

@@ -26,12 +26,12 @@ from contextkeeper.tokens import HFChatTemplateCounter, load_counter
 from contextkeeper.tokens.loading import load_hf_tokenizer
 from server_corpus import cases
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVERS = ("vllm", "sglang")
 RECORDED = {
     server: {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(folder.glob("*.json"))}
     for server in SERVERS
-    if (folder := Path(__file__).parent / "fixtures" / server).is_dir()
+    if (folder := Path(__file__).resolve().parents[1] / "fixtures" / server).is_dir()
 }
 # What a refusal is here: the server's 400 as our typed errors (arguments that are not JSON; a template that
 # raises on the messages, as Llama 3.3's does on more than one tool call).
@@ -60,7 +60,7 @@ def test_the_recordings_cover_the_corpus_on_the_four_pairs_of_the_llama_server_r
     assert set(RECORDED) == set(SERVERS)
     llama = {
         path.stem: json.loads(path.read_text(encoding="utf-8"))["template"]
-        for path in (Path(__file__).parent / "fixtures" / "llama_server").glob("*.json")
+        for path in (Path(__file__).resolve().parents[1] / "fixtures" / "llama_server").glob("*.json")
     }
     names = [case["name"] for case in cases()]
     for server, fixtures in RECORDED.items():

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from test_incremental_render import _edits
 
 import contextkeeper as ck
 from conftest import hf_tokenizer
 from contextkeeper.tokens._sandbox import compile_template
 from contextkeeper.tokens.render import Refusal, split_template, try_split
 from conversations import CONVERSATIONS
-from test_incremental_render import _edits
 
 # The shape of gpt-oss's: the loop runs over ``loop_messages`` (the messages after a system prompt), a tool call's
 # analysis is dropped when a final answer follows it (a scan of the later messages), and the tool's name is

@@ -50,7 +50,7 @@ from contextkeeper.strategies.summarize import Summarize
 from contextkeeper.strategies.truncate import Truncate
 from test_keeper import agent_chat, plain_chat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QWEN = "Qwen-Qwen2.5-7B-Instruct"
 
 

@@ -23,7 +23,7 @@ from contextkeeper.calls.ledger import AdmissionTimeout, Ledger
 from contextkeeper.calls.redis_ledger import LedgerUnavailable, RedisLedger
 from engines import RedisServer
 
-WORKER = Path(__file__).parent / "ledger_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "ledger_worker.py"
 
 
 @pytest.fixture(scope="module")

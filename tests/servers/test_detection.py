@@ -9,14 +9,8 @@ define (detection.OWNERS names the file of each).
 from __future__ import annotations
 
 import copy
-import json
 import socket
-import threading
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -27,84 +21,30 @@ import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError
 from contextkeeper.servers.detection import detect_server
 from openai_server import ChatServer
-
-FIXTURES = Path(__file__).parent / "fixtures"
-LLAMA = json.loads((FIXTURES / "detection" / "llama-server.json").read_text(encoding="utf-8"))
-VLLM = json.loads((FIXTURES / "detection" / "vllm.json").read_text(encoding="utf-8"))
-SERVE = json.loads(
-    (FIXTURES / "transformers_serve" / "answers" / "transformers-serve.json").read_text(encoding="utf-8")
-)
-QWEN = json.loads((FIXTURES / "llama_server" / "qwen2.json").read_text(encoding="utf-8"))
-
-
-class Answering(str):
-    """The base URL (``.../v1``) of a server answering recorded answers, and the paths it was asked."""
-
-    asked: list[str]
-
-
-@contextmanager
-def _answering(answers: Mapping[str, dict[str, Any]]) -> Iterator[Answering]:
-    """A loopback HTTP server that answers GETs from ``answers`` (path -> status and JSON), 404 elsewhere."""
-    asked: list[str] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            asked.append(self.path)
-            answer = answers.get(self.path, {"status": 404, "json": {"error": "not found"}})
-            data = json.dumps(answer["json"]).encode() if "json" in answer else answer["body"].encode()
-            self.send_response(answer["status"])
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = Answering(f"http://127.0.0.1:{server.server_address[1]}/v1")
-        url.asked = asked
-        yield url
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-
-def _keeper(**settings: Any) -> ck.ContextKeeper:
-    return ck.ContextKeeper(
-        tokenizer=str(assets.tokenizer_dir("qwen2")),
-        chat_template=assets.template(QWEN["template"]),
-        context_window=4096,
-        **settings,
-    )
+from recorded_servers import LLAMA, QWEN, SERVE, VLLM, answering, live_llama_server, qwen_keeper
 
 
 def test_the_recorded_llama_server_is_told_by_its_models_list() -> None:
-    with _answering(LLAMA["answers"]) as url:
+    with answering(LLAMA["answers"]) as url:
         found = detect_server(url)
     assert (found.server, found.asked) == ("llama.cpp", ("/v1/models",))
     assert found.evidence == "GET /v1/models: owned_by 'llamacpp'"
 
 
 def test_the_recorded_transformers_serve_is_told_by_its_model_cards() -> None:
-    with _answering(SERVE["answers"]) as url:
+    with answering(SERVE["answers"]) as url:
         found = detect_server(url)
     assert (found.server, found.asked) == ("transformers", ("/v1/models",))
     assert found.evidence == 'GET /v1/models: a model card with status {"value": "loaded"}'
 
 
 def test_the_recorded_vllm_is_told_by_its_models_list_and_by_its_version() -> None:
-    with _answering(VLLM["answers"]) as url:
+    with answering(VLLM["answers"]) as url:
         found = detect_server(url)
     assert (found.server, found.evidence) == ("vllm", "GET /v1/models: owned_by 'vllm'")
     answers = copy.deepcopy(VLLM["answers"])
     del answers["/v1/models"]
-    with _answering(answers) as url:
+    with answering(answers) as url:
         found = detect_server(url)
     assert (found.server, found.asked[-1], found.evidence) == ("vllm", "/version", "GET /version: version 0.33.0")
 
@@ -113,7 +53,7 @@ def test_a_llama_server_without_owned_by_is_told_by_its_props() -> None:
     answers = copy.deepcopy(LLAMA["answers"])
     for card in answers["/v1/models"]["json"]["data"]:
         card["owned_by"] = "someone"
-    with _answering(answers) as url:
+    with answering(answers) as url:
         found = detect_server(url)
     assert (found.server, found.asked) == ("llama.cpp", ("/v1/models", "/props"))
     assert found.evidence.startswith("GET /props: build ")
@@ -140,7 +80,7 @@ def test_a_llama_server_without_owned_by_is_told_by_its_props() -> None:
 def test_each_server_is_told_by_the_answer_only_it_gives(
     answers: dict[str, dict[str, Any]], server: str, asked: int
 ) -> None:
-    with _answering(answers) as url:
+    with answering(answers) as url:
         found = detect_server(url)
     assert found.server == server
     assert len(found.asked) == asked
@@ -148,7 +88,7 @@ def test_each_server_is_told_by_the_answer_only_it_gives(
 
 def test_owners_of_two_kinds_tell_nothing() -> None:
     cards = [{"id": "a", "owned_by": "vllm"}, {"id": "b", "owned_by": "llamacpp"}]  # a router in front of both
-    with _answering({"/v1/models": {"status": 200, "json": {"data": cards}}}) as url:
+    with answering({"/v1/models": {"status": 200, "json": {"data": cards}}}) as url:
         assert detect_server(url).server is None
 
 
@@ -161,10 +101,10 @@ def test_a_hosted_api_is_told_by_its_address_without_a_request() -> None:
 def test_auto_counts_for_the_llama_server_it_wraps() -> None:
     assets.require_assets()
     decomposed = next(case for case in QWEN["cases"] if case["name"] == "nfd-latin")
-    keeper = _keeper(server="auto")
+    keeper = qwen_keeper(server="auto")
     assert keeper.server.name == "vllm"  # until it has asked
     assert keeper.counter.count(decomposed["messages"]) != decomposed["prompt_tokens"]
-    with _answering(LLAMA["answers"]) as url, warnings.catch_warnings():
+    with answering(LLAMA["answers"]) as url, warnings.catch_warnings():
         warnings.simplefilter("error")
         keeper.wrap(openai.OpenAI(base_url=url, api_key="secret", max_retries=0))
         asked = list(url.asked)
@@ -178,8 +118,8 @@ def test_auto_counts_for_the_llama_server_it_wraps() -> None:
 
 def test_auto_asks_once_and_a_named_server_never_asks() -> None:
     assets.require_assets()
-    keeper, named = _keeper(server="auto"), _keeper(server="vllm")
-    with _answering(LLAMA["answers"]) as url:
+    keeper, named = qwen_keeper(server="auto"), qwen_keeper(server="vllm")
+    with answering(LLAMA["answers"]) as url:
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         keeper.wrap(client)
         keeper.wrap(client)
@@ -191,7 +131,7 @@ def test_auto_asks_once_and_a_named_server_never_asks() -> None:
 
 def test_a_server_that_tells_nothing_leaves_vllms_rules_with_a_warning() -> None:
     assets.require_assets()
-    keeper = _keeper(server="auto")
+    keeper = qwen_keeper(server="auto")
     with ChatServer(assets.tokenizer_dir("qwen2"), chat_template=assets.template(QWEN["template"])) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
         with pytest.warns(ck.DetectionWarning, match=r"could not tell.*asked /v1/models, /props.*Fix: ContextKeeper"):
@@ -206,7 +146,7 @@ def test_an_unreachable_server_is_a_warning_not_a_failed_wrap() -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    keeper = _keeper(server="auto")
+    keeper = qwen_keeper(server="auto")
     with pytest.warns(ck.DetectionWarning, match=r"could not reach http://127\.0\.0\.1"):
         keeper.wrap(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0))
     assert keeper.server.name == "vllm"
@@ -223,18 +163,17 @@ def test_a_mistral_tokenizer_behind_llama_server_warns_and_counts_as_before() ->
     keeper = ck.ContextKeeper(tokenizer="mistral:tekken", context_window=4096, server="auto")
     before = keeper.counter
     warns = pytest.warns(ck.DetectionWarning, match="found llama.cpp .* cannot count its way")
-    with _answering(LLAMA["answers"]) as url, warns:
+    with answering(LLAMA["answers"]) as url, warns:
         keeper.wrap(openai.OpenAI(base_url=url, api_key="x", max_retries=0))
     assert keeper.counter is before
 
 
 @pytest.mark.server
 def test_auto_against_a_live_llama_server_counts_what_it_counts() -> None:
-    from test_dialects import _live
 
     case = next(case for case in QWEN["cases"] if case["name"] == "developer")
-    with _live("qwen2", 4096) as server:
-        keeper = _keeper(server="auto")
+    with live_llama_server("qwen2", 4096) as server:
+        keeper = qwen_keeper(server="auto")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # neither a detection nor a drift warning
             client = keeper.wrap(openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0))
@@ -251,13 +190,13 @@ def test_auto_and_calibrate_against_a_live_vllm_render_server() -> None:
     if python is None:
         pytest.skip("no vLLM environment: set CK_VLLM_PYTHON (see docs/dialects.md)")
     with VllmRender(python, tiny_model("qwen2")) as server:
-        keeper = _keeper(server="auto")
+        keeper = qwen_keeper(server="auto")
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             keeper.wrap(openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0))
         assert (keeper.server.name, keeper.detection.evidence) == ("vllm", "GET /v1/models: owned_by 'vllm'")
         report = keeper.calibrate(server.url)  # vLLM's /tokenize with messages
-        llama = _keeper(server="llama.cpp").calibrate(server.url)
+        llama = qwen_keeper(server="llama.cpp").calibrate(server.url)
     assert report.differences == ()
     assert {r.probe for r in llama.differences} >= {"tool-strict", "decomposed-text", "final-assistant"}
     assert all(r.cause == r.rule for r in llama.differences)
@@ -265,7 +204,7 @@ def test_auto_and_calibrate_against_a_live_vllm_render_server() -> None:
 
 def test_calibrate_names_the_endpoints_a_server_lacks() -> None:
     assets.require_assets()
-    keeper = _keeper()
+    keeper = qwen_keeper()
     with ChatServer(assets.tokenizer_dir("qwen2"), chat_template=assets.template(QWEN["template"])) as server:
         message = r"counts no chat request on request \(asked: llama\.cpp /apply-template \+ /tokenize, vLLM or SGLang"
         with pytest.raises(ConfigurationError, match=message):

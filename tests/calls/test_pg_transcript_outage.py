@@ -37,7 +37,7 @@ from engines import PostgresServer
 psycopg = pytest.importorskip("psycopg")
 from contextkeeper.calls.transcript.postgres import PostgresTranscript  # noqa: E402  (needs psycopg)
 
-WORKER = Path(__file__).parent / "transcript_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "transcript_worker.py"
 SRC = Path(ck.__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 

@@ -23,6 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_crash import _key
+from test_crash import _read as _read_line
+from test_transcript import test_a_call_is_recorded_and_its_removed_messages_recovered as _recorded_and_recovered
+from test_transcript import test_a_dict_changed_in_place_is_recorded_as_it_was as _edited_in_place
+from test_transcript import test_failed_calls_and_conversations as _failed_and_conversations
 
 import contextkeeper as ck
 from contextkeeper._exceptions import TranscriptUnavailable, TransportError
@@ -36,15 +41,10 @@ from contextkeeper.calls.transcript.store import (
     open_transcript,
 )
 from engines import PostgresServer, _free_port
-from test_crash import _key
-from test_crash import _read as _read_line
-from test_transcript import test_a_call_is_recorded_and_its_removed_messages_recovered as _recorded_and_recovered
-from test_transcript import test_a_dict_changed_in_place_is_recorded_as_it_was as _edited_in_place
-from test_transcript import test_failed_calls_and_conversations as _failed_and_conversations
 
 psycopg = pytest.importorskip("psycopg")
 
-WORKER = Path(__file__).parent / "transcript_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "transcript_worker.py"
 SRC = Path(ck.__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 
@@ -103,7 +103,7 @@ def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
     ids=lambda check: check.__name__.removeprefix("test_"),
 )
 def test_the_transcript_checks_hold_on_postgres(check: Callable[..., None], store: Transcript, counter: Any) -> None:
-    """The checks tests/test_transcript.py makes of memory and SQLite, on Postgres."""
+    """The checks tests/calls/test_transcript.py makes of memory and SQLite, on Postgres."""
     given = {"transcript": store, "counter": counter}
     check(**{name: given[name] for name in inspect.signature(check).parameters})
 

@@ -6,7 +6,7 @@ holder believes it holds (its calls are in flight upstream): it never passes the
 released, the pool is back at 0 with nothing leaked. Also: a cancelled waiter leaves the queue at once.
 
 Run as a script, this file is the separate holder process:
-``python tests/test_redis_ledger_restart.py URL POOL CAPACITY TOKENS LEASE`` holds TOKENS, prints "held", then
+``python tests/calls/test_redis_ledger_restart.py URL POOL CAPACITY TOKENS LEASE`` holds TOKENS, prints "held", then
 releases on a "release" line of stdin (and prints "released").
 """
 

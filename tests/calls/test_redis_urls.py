@@ -9,13 +9,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from test_redis_ledger import wrapped_call_through
 
 import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError
 from contextkeeper.calls.redis_client import SCHEMES, connect, connection_errors, is_redis_url, parse, safe_url
 from contextkeeper.calls.redis_ledger import LedgerUnavailable, RedisLedger
 from engines import RedisCluster, RedisSentinel
-from test_redis_ledger import wrapped_call_through
 
 
 # ------------------------------------------------------------------------------------------ parsing

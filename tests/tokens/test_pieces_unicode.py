@@ -20,7 +20,7 @@ from conftest import assert_counts_like_the_tokenizer, hf_tokenizer, raw_backend
 from contextkeeper.tokens.pieces import AsciiWords, ByteBound, LineBlocks, PieceCounter, Pieces, Segments
 from contextkeeper.tokens.pieces._rules import _COVERED_BLOCKS, UnicodeWords, _coverage, _word_split
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from agent_conversation import SCRIPTS, TOOLS, build_script
 
 # The vocabularies with the rule, as transformers loads them (Qwen's with an NFC normaliser), and Qwen2's own

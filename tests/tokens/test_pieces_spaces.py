@@ -21,7 +21,7 @@ from contextkeeper.tokens.pieces import ByteBound, PieceCounter, Pieces, Segment
 from contextkeeper.tokens.pieces._rules import Tokenizer as RuleTokenizer
 from contextkeeper.tokens.pieces._rules import _borders
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from agent_conversation import build_script
 
 

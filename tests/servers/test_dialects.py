@@ -21,15 +21,14 @@ import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError, CountingError, InvalidMessage
 from contextkeeper.servers.dialects import DIALECTS, Dialect, dialect_of
 from contextkeeper.tokens import load_counter
+from recorded_servers import FIXTURES, RECORDED, live_llama_server
 from server_corpus import ENGINE_TEMPLATE, cases, continuation_cases, engine_cases
 
-FIXTURES = Path(__file__).parent / "fixtures" / "llama_server"
-RECORDED = {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(FIXTURES.glob("*.json"))}
 # Where llama.cpp's C++ Jinja engine renders differently from Python's and no dialect rule follows it (yet); each
 # is listed in docs/dialects.md. strict: a case that starts to agree fails here, so the list stays true.
 ENGINE_DIFFERENCES: dict[tuple[str, str], str] = {}
-ENGINE = json.loads((Path(__file__).parent / "fixtures" / "llama_engine.json").read_text(encoding="utf-8"))
-CONTINUED = json.loads((Path(__file__).parent / "fixtures" / "llama_continuation.json").read_text(encoding="utf-8"))
+ENGINE = json.loads((FIXTURES / "llama_engine.json").read_text(encoding="utf-8"))
+CONTINUED = json.loads((FIXTURES / "llama_continuation.json").read_text(encoding="utf-8"))
 
 
 def _context(fixture: dict[str, Any]) -> dict[str, str]:
@@ -177,7 +176,7 @@ def test_the_keeper_fits_with_the_server_dialect() -> None:
 
 
 def test_the_transformers_dialect_is_the_serve_view() -> None:
-    # transformers serve's own preprocessing, not the raw view (tests/test_dialects_transformers.py checks its rules).
+    # transformers serve's own preprocessing, not the raw view (test_dialects_transformers.py checks its rules).
     assets.require_assets()
     counter = load_counter(str(assets.tokenizer_dir("qwen2")), server="transformers")
     assert counter.view == "server"
@@ -186,31 +185,10 @@ def test_the_transformers_dialect_is_the_serve_view() -> None:
 # ------------------------------------------------------------------------------------------------- live
 
 
-def _binary() -> Path:
-    return Path(__file__).resolve().parents[1] / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"
-
-
-def _live(vocab: str, context: int = 16384) -> Any:
-    """A llama-server (context manager) on a tiny model around ``vocab``, with its recorded template."""
-    if not _binary().exists():
-        pytest.skip("llama-server is not built: bash scripts/build_llama_server.sh")
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from record_llama_server import MODELS, PAIRS, LlamaServer  # type: ignore[import-not-found]
-    from tiny_gguf import tiny_model  # type: ignore[import-not-found]
-
-    model = MODELS / f"{vocab}.gguf"
-    if not model.exists():
-        MODELS.mkdir(parents=True, exist_ok=True)
-        tiny_model(assets.gguf_file(vocab), model)
-    return LlamaServer(model, assets.ASSETS / "templates" / f"{PAIRS[vocab]}.jinja", context=context)
-
-
 @pytest.mark.server
 @pytest.mark.parametrize("vocab", sorted(RECORDED))
 def test_live_llama_server_still_counts_the_recordings(vocab: str) -> None:
-    server_context = _live(vocab)
+    server_context = live_llama_server(vocab)
     counter = load_counter(
         str(assets.tokenizer_dir(vocab)), chat_template=assets.template(RECORDED[vocab]["template"]), server="llama.cpp"
     )
@@ -240,7 +218,7 @@ def test_a_long_wrapped_chat_against_llama_server_counts_every_prompt_right() ->
     template = RECORDED[vocab]["template"]
     tools = TOOL_SHAPES["tools-full"] + TOOL_SHAPES["tools-strict"] + TOOL_SHAPES["tools-name-only"]
     texts, arguments = list(TEXTS.values()), list(ARGUMENTS.values())[:-1]  # the server refuses invalid JSON
-    with _live(vocab, context) as server:
+    with live_llama_server(vocab, context) as server:
         keeper = ck.ContextKeeper(
             str(assets.tokenizer_dir(vocab)),
             chat_template=assets.template(template),
@@ -314,7 +292,7 @@ def test_a_keeper_counting_for_vllm_names_the_llama_server_it_talks_to() -> None
 
     vocab = "qwen2"
     case = next(case for case in RECORDED[vocab]["cases"] if case["name"] == "nfd-latin")  # NFC (vLLM) or not
-    with _live(vocab, 2048) as server:
+    with live_llama_server(vocab, 2048) as server:
         keeper = ck.ContextKeeper(
             str(assets.tokenizer_dir(vocab)),
             chat_template=assets.template(RECORDED[vocab]["template"]),
@@ -329,7 +307,7 @@ def test_a_keeper_counting_for_vllm_names_the_llama_server_it_talks_to() -> None
 def test_calibrate_names_every_rule_a_vllm_count_misses_and_agrees_under_llamacpp() -> None:
     vocab = "qwen2"
     template = assets.template(RECORDED[vocab]["template"])
-    with _live(vocab, 4096) as server:
+    with live_llama_server(vocab, 4096) as server:
         default = ck.ContextKeeper(str(assets.tokenizer_dir(vocab)), chat_template=template, context_window=4096)
         report = default.calibrate(server.url)
         missed = {result.probe for result in report.differences}

@@ -27,8 +27,8 @@ from contextkeeper.servers.dialects import DIALECTS
 from contextkeeper.tokens import HFChatTemplateCounter
 from server_corpus import TEXTS, WEATHER, cases
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).parent / "fixtures" / "transformers_serve"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "transformers_serve"
 RECORDED = {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(FIXTURES.glob("*.json"))}
 ANSWERS = json.loads((FIXTURES / "answers" / "transformers-serve.json").read_text(encoding="utf-8"))
 

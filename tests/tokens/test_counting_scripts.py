@@ -15,7 +15,7 @@ import contextkeeper as ck
 from assets import template
 from conftest import hf_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from agent_conversation import SCRIPTS, TOOLS, build_script, mistral_call_ids
 
 FAMILIES = [

@@ -18,10 +18,10 @@ from contextkeeper._exceptions import ConfigurationError
 from contextkeeper.calls.shared import ServerFacts, SharedState, SharedUnavailable, SummaryClaim
 from engines import RedisCluster, RedisServer
 from openai_server import ChatServer
+from recorded_servers import LLAMA, answering, qwen_keeper
 from strategy_state import plain_chat
-from test_detection import LLAMA, _answering, _keeper
 
-WORKER = Path(__file__).parent / "shared_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "shared_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +152,8 @@ def test_a_detection_is_asked_once_for_every_replica(redis_server: RedisServer) 
     assets.require_assets()
     url = f"redis://127.0.0.1:{redis_server.port}/2"
     SharedState(url).client.flushdb()
-    first, second = _keeper(server="auto", shared=url), _keeper(server="auto", shared=url)
-    with _answering(LLAMA["answers"]) as base:
+    first, second = qwen_keeper(server="auto", shared=url), qwen_keeper(server="auto", shared=url)
+    with answering(LLAMA["answers"]) as base:
         first.wrap(openai.OpenAI(base_url=base, api_key="x", max_retries=0))
         second.wrap(openai.OpenAI(base_url=base, api_key="x", max_retries=0))
         asked = list(base.asked)

@@ -22,7 +22,7 @@ from contextkeeper.tokens.breakdown import split_slots
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Inner runs skip the cache and hypothesis's plugin (its summary imports all of hypothesis, every run).
 QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 HEAVY = ("transformers", "torch", "tokenizers", "mistral_common", "sentence_transformers")
