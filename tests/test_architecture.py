@@ -182,3 +182,29 @@ def test_no_function_is_more_complex_than_the_bound() -> None:
     assert over == {}, f"split these (cyclomatic complexity over {MAX_COMPLEXITY})"
     # The list only shrinks: a function brought under the bound leaves it.
     assert {name for name in OVER_THE_BOUND if found.get(name, 0) <= MAX_COMPLEXITY} == set()
+
+
+def test_the_architecture_page_names_every_package_and_module() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    tree = page.split("## The layers", 1)[1].split("```", 2)[1]
+    # Each top-level package's section runs from its line ("  name/") to the next line indented as little.
+    sections: dict[str, str] = {}
+    current = "contextkeeper"
+    for line in tree.splitlines():
+        head = line[2:].split(" ", 1)[0] if line.startswith("  ") and not line.startswith("   ") else ""
+        if head.endswith("/"):
+            current = head.rstrip("/")
+        elif head:
+            current = "contextkeeper"
+        sections[current] = sections.get(current, "") + line + "\n"
+    missing = []
+    for path in sorted(SRC.rglob("*.py")):
+        parts = path.relative_to(SRC).parts
+        top = parts[0] if len(parts) > 1 else "contextkeeper"
+        text = sections.get(top)
+        if text is None:
+            missing.append(f"{top}/")
+            continue
+        names = [f"{part}/" for part in parts[1:-1]] + ([path.name] if path.name != "__init__.py" else [])
+        missing += [f"{'/'.join(parts)} ({name})" for name in names if name not in text]
+    assert missing == []

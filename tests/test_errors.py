@@ -24,9 +24,6 @@ from contextkeeper import _exceptions
 # Public error classes outside the tree, each with why it is not a ContextKeeperError.
 OUTSIDE_THE_TREE: dict[str, str] = {
     "contextkeeper.cli.UsageError": "the command line's own error: exit code 2, never raised to Python callers",
-    "contextkeeper.testing.settings.SettingsError": "the pytest plugin's bad-setting error; it fails the test using it",
-    "contextkeeper.proxy.identity.InvalidConversation": "the proxy's check of a request's conversation id; it is "
-    "answered as a 400 to the HTTP client, never raised to Python callers",
 }
 
 # Runs in the fresh interpreter; prints, for every public exception class a module defines, its ancestors.
@@ -51,10 +48,10 @@ for info in pkgutil.walk_packages(contextkeeper.__path__, "contextkeeper.", oner
             not name.startswith("_")
             and inspect.isclass(value)
             and issubclass(value, BaseException)
-            and not issubclass(value, Warning)
             and value.__module__ == module.__name__
         ):
-            found.append({"key": f"{module.__name__}.{name}", "name": name, "mro": [c.__name__ for c in value.__mro__]})
+            mro = [c.__name__ for c in value.__mro__]
+            found.append({"key": f"{module.__name__}.{name}", "name": name, "mro": mro, "warning": "Warning" in mro})
 print(json.dumps({"found": found, "failures": failures}))
 """
 
@@ -77,17 +74,18 @@ _LINE = re.compile(r"(?P<prefix>(?:│   |    )*)(?:(?P<connector>[├└])─�
 
 
 @functools.cache
-def drawn() -> dict[str, str | None]:
+def drawn(block: int = 1) -> dict[str, str | None]:
     """Each class drawn in the module docstring's tree -> the class drawn as its parent (None for the root), in
-    drawing order. The drawing must be well formed: one root, four columns a level, ``└──`` on exactly the last
-    child of each parent and a ``│`` column wherever that ancestor has children still to come."""
+    drawing order; ``block`` 1 is the error tree, 3 the warnings. The drawing must be well formed: one root, four
+    columns a level, ``└──`` on exactly the last child of each parent and a ``│`` column wherever that ancestor has
+    children still to come."""
     doc = _exceptions.__doc__ or ""
     blocks = doc.split("```")
-    assert len(blocks) == 3, "the docstring holds one ``` block: the tree"
+    assert len(blocks) == 5, "the docstring holds two ``` blocks: the errors' tree and the warnings'"
     parents: dict[str, str | None] = {}
     children: dict[str, list[tuple[str, str]]] = {}
     path: list[tuple[str, str]] = []  # the current line's ancestors: (name, its connector)
-    for line in blocks[1].strip("\n").splitlines():
+    for line in blocks[block].strip("\n").splitlines():
         match = _LINE.fullmatch(line)
         assert match, f"not a line of the tree: {line!r}"
         prefix, connector, name = match["prefix"], match["connector"], match["name"]
@@ -123,9 +121,9 @@ def probe() -> dict[str, Any]:
     return report
 
 
-def nearest_drawn(mro: list[str]) -> str | None:
+def nearest_drawn(mro: list[str], block: int = 1) -> str | None:
     """The parent a class belongs under: the first of its ancestors that the tree draws."""
-    return next((name for name in mro[1:] if name in drawn()), None)
+    return next((name for name in mro[1:] if name in drawn(block)), None)
 
 
 def test_errors_form_one_tree() -> None:
@@ -146,19 +144,21 @@ def test_the_drawing_is_one_well_formed_tree_under_the_root() -> None:
 def test_every_exported_error_is_drawn_under_the_parent_it_subclasses(name: str) -> None:
     cls = getattr(_exceptions, name)
     assert inspect.isclass(cls)
-    assert issubclass(cls, _exceptions.ContextKeeperError)
-    assert name in drawn(), f"{name} is in __all__ but not drawn in the module docstring's tree"
-    parent = drawn()[name]
-    assert parent == nearest_drawn([c.__name__ for c in cls.__mro__]), (
+    warning = issubclass(cls, Warning)
+    assert issubclass(cls, _exceptions.ContextKeeperWarning if warning else _exceptions.ContextKeeperError)
+    block = 3 if warning else 1
+    assert name in drawn(block), f"{name} is in __all__ but not drawn in the module docstring's tree"
+    parent = drawn(block)[name]
+    assert parent == nearest_drawn([c.__name__ for c in cls.__mro__], block), (
         f"{name} is drawn under {parent}, but the nearest drawn class it subclasses is "
-        f"{nearest_drawn([c.__name__ for c in cls.__mro__])}"
+        f"{nearest_drawn([c.__name__ for c in cls.__mro__], block)}"
     )
 
 
 def test_every_error_the_package_defines_is_drawn_under_its_parent() -> None:
     report = probe()
     assert report["failures"] == {}
-    found = report["found"]
+    found = [entry for entry in report["found"] if not entry["warning"]]
     names = [entry["name"] for entry in found]
     assert len(names) == len(set(names)), "two modules define an error of the same name: the tree cannot tell them"
     in_tree = {entry["name"]: entry for entry in found if "ContextKeeperError" in entry["mro"]}
@@ -172,6 +172,13 @@ def test_every_error_the_package_defines_is_drawn_under_its_parent() -> None:
         if drawn()[name] != nearest_drawn(entry["mro"])
     }
     assert misplaced == {}, "name: (drawn under, subclasses)"
+
+
+def test_every_warning_the_package_defines_is_drawn_under_its_parent() -> None:
+    found = [entry for entry in probe()["found"] if entry["warning"]]
+    assert {entry["name"] for entry in found} == set(drawn(3))
+    assert next(iter(drawn(3))) == "ContextKeeperWarning"
+    assert {e["name"]: drawn(3)[e["name"]] for e in found} == {e["name"]: nearest_drawn(e["mro"], 3) for e in found}
 
 
 def takes_message(cls: type[BaseException]) -> bool:
@@ -193,7 +200,7 @@ def _raise(cls: type[ck.ContextKeeperError], message: str) -> ck.ContextKeeperEr
 
 @pytest.mark.parametrize("name", list(drawn()))
 def test_fix_text_is_the_text_after_fix_when_no_fix_is_set(name: str) -> None:
-    cls = getattr(ck, name)
+    cls = getattr(_exceptions, name)
     error = _raise(cls, "the thing is 3 over its limit of 10. Fix: set thing=7 (or raise the limit)")
     worded = error.fix  # set by the few classes that know their fix
     error.fix = None

@@ -11,13 +11,19 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import (
+    AdmissionTimeout,
     ChatTemplateError,
     ConfigurationError,
     ContextKeeperError,
+    ContextKeeperWarning,
     ContextLengthExceeded,
     CountingError,
+    DetectionWarning,
+    DriftWarning,
+    ExceedsCapacity,
     InvalidMessage,
     InvariantViolation,
+    LedgerUnavailable,
     MessageError,
     MissingToolResult,
     ModelConfigError,
@@ -25,8 +31,10 @@ from ._exceptions import (
     OutOfMemory,
     PolicyError,
     ProviderError,
+    ProxyConfigError,
     RequestRejected,
     RequestTooLarge,
+    SharedUnavailable,
     StreamInterrupted,
     TemplateLimitExceeded,
     TokenizerNotFound,
@@ -41,10 +49,10 @@ from ._exceptions import (
 
 if TYPE_CHECKING:  # the names, for type checkers; at run time they load on first use
     from ._memo import CacheUsage, cache_bytes, cache_usage, set_cache_bytes
-    from .calls import CallReport, DriftWarning
-    from .calls.ledger import AdmissionTimeout, ExceedsCapacity, Ledger
-    from .calls.redis_ledger import LedgerUnavailable, RedisLedger
-    from .calls.shared import ConversationShare, ServerFacts, SharedState, SharedUnavailable, SummaryClaim
+    from .calls import CallReport
+    from .calls.ledger import Ledger
+    from .calls.redis_ledger import RedisLedger
+    from .calls.shared import ConversationShare, ServerFacts, SharedState, SummaryClaim
     from .calls.transcript.postgres import PostgresTranscript
     from .calls.transcript.store import Transcript, TranscriptEntry, open_transcript
     from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, profile
@@ -67,9 +75,8 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
         recommend,
     )
     from .messages import ContentPart, Conversation, FunctionCall, Message, ToolCall, Unit, raw_view, server_view
-    from .proxy.config import ProxyConfigError
     from .servers.calibration import Calibration, Probe, ProbeResult, calibrate
-    from .servers.detection import Detection, DetectionWarning, detect_server
+    from .servers.detection import Detection, detect_server
     from .servers.dialects import Dialect, dialect_of
     from .strategies.policy import Policy, load_policy, register_policy_path
     from .tokens import (
@@ -94,9 +101,7 @@ _LAZY: dict[str, str] = {
     "Dialect": ".servers.dialects",
     "dialect_of": ".servers.dialects",
     "Detection": ".servers.detection",
-    "DetectionWarning": ".servers.detection",
     "detect_server": ".servers.detection",
-    "AdmissionTimeout": ".calls.ledger",
     "Breakdown": ".tokens",
     "CacheUsage": "._memo",
     "CallReport": ".calls",
@@ -105,8 +110,6 @@ _LAZY: dict[str, str] = {
     "Conversation": ".messages",
     "DetectedGPU": ".memory",
     "Diagnosis": ".diagnose",
-    "DriftWarning": ".calls",
-    "ExceedsCapacity": ".calls.ledger",
     "Fit": ".fit.report",
     "FitReport": ".fit.report",
     "FunctionCall": ".messages",
@@ -114,14 +117,11 @@ _LAZY: dict[str, str] = {
     "HFChatTemplateCounter": ".tokens",
     "KVReport": ".memory",
     "Ledger": ".calls.ledger",
-    "LedgerUnavailable": ".calls.redis_ledger",
     "RedisLedger": ".calls.redis_ledger",
     "ConversationShare": ".calls.shared",
     "PostgresTranscript": ".calls.transcript.postgres",
-    "ProxyConfigError": ".proxy.config",
     "ServerFacts": ".calls.shared",
     "SharedState": ".calls.shared",
-    "SharedUnavailable": ".calls.shared",
     "SummaryClaim": ".calls.shared",
     "Measurement": ".tokens",
     "MediaCost": ".tokens",
@@ -196,6 +196,7 @@ __all__ = [
     "ContentPart",
     "ContextKeeper",
     "ContextKeeperError",
+    "ContextKeeperWarning",
     "ContextLengthExceeded",
     "Conversation",
     "ConversationShare",

@@ -1,4 +1,4 @@
-"""The contextkeeper error tree.
+"""The contextkeeper error tree, warnings included.
 
 Every error says what went wrong, by how much where a number applies, and which setting fixes it.
 
@@ -11,13 +11,15 @@ ContextKeeperError
 │   ├── UnknownGPU                 a GPU name not in the catalog (.matches: the closest names)
 │   ├── UnknownSymptom             a doctor symptom that does not exist
 │   ├── PolicyError                a policy file with an unknown key or value, a file that is no policy
-│   └── ProxyConfigError           a proxy config file with an unknown key, a bad value or an unbuildable entry
+│   ├── ProxyConfigError           a proxy config file with an unknown key, a bad value or an unbuildable entry
+│   └── SettingsError              a pytest-plugin setting with an unknown key or a value of the wrong type
 ├── RequestTooLarge                the never-trimmed parts and the answer exceed the limit that binds (.needed, .limit)
 ├── RequestRejected                refused before it is fitted: over an input limit, not JSON (.status, .code, .param)
+├── InvalidConversation            a conversation id the proxy cannot use (empty, too long, not text)
 ├── InvariantViolation             a fit broke one of its guarantees (a bug in a strategy): refused, not returned
-├── AdmissionTimeout               a call waited admission_timeout for KV room in the ledger (ledger.py: its wording)
-├── ExceedsCapacity                one call needs more KV tokens than the whole capacity (ledger.py: its wording)
 ├── UnknownCall                    a transcript call number that was never recorded
+├── AdmissionTimeout               a call waited admission_timeout for KV room in the ledger
+├── ExceedsCapacity                one call needs more KV tokens than the whole capacity
 ├── MessageError                   .index: the offending message's position (None: the list itself)
 │   ├── InvalidMessage             unknown role, bad content type, missing id, malformed tool call
 │   ├── OrphanToolResult           a tool result whose call id no earlier assistant message made
@@ -31,9 +33,17 @@ ContextKeeperError
     ├── OutOfMemory                the local model ran out of memory after every recovery
     └── TransportError             timeouts, connection drops, 429/5xx or malformed replies after every retry
         ├── StreamInterrupted      a stream that broke after it had yielded chunks (.partial: the text so far)
-        ├── LedgerUnavailable      the shared KV ledger's Redis cannot be reached (redis_ledger.py: its wording)
-        ├── SharedUnavailable      the shared learned state's Redis cannot be reached (shared.py: its wording)
-        └── TranscriptUnavailable  the transcript's Postgres cannot be reached (pg_transcript.py: its wording)
+        ├── LedgerUnavailable      the shared KV ledger's Redis cannot be reached
+        ├── SharedUnavailable      the shared learned state's Redis cannot be reached
+        └── TranscriptUnavailable  the transcript's Postgres cannot be reached
+```
+
+Warnings say something went other than planned while the call went on:
+
+```
+ContextKeeperWarning               a UserWarning
+├── DriftWarning                   the server counted the prompt differently from the keeper (once per server)
+└── DetectionWarning               server="auto" could not tell the server: counts follow vLLM's rules
 ```
 
 Every error may carry ``fix``: the setting or change that resolves it (the CLI prints it as its own field).
@@ -41,16 +51,23 @@ Every error may carry ``fix``: the setting or change that resolves it (the CLI p
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
+    "AdmissionTimeout",
     "ChatTemplateError",
     "ConfigurationError",
     "ContextKeeperError",
+    "ContextKeeperWarning",
     "ContextLengthExceeded",
     "CountingError",
+    "DetectionWarning",
+    "DriftWarning",
+    "ExceedsCapacity",
+    "InvalidConversation",
     "InvalidMessage",
     "InvariantViolation",
+    "LedgerUnavailable",
     "MessageError",
     "MissingToolResult",
     "ModelConfigError",
@@ -58,8 +75,11 @@ __all__ = [
     "OutOfMemory",
     "PolicyError",
     "ProviderError",
+    "ProxyConfigError",
     "RequestRejected",
     "RequestTooLarge",
+    "SettingsError",
+    "SharedUnavailable",
     "StreamInterrupted",
     "TemplateLimitExceeded",
     "TokenizerNotFound",
@@ -130,6 +150,15 @@ class PolicyError(ConfigurationError):
     strategy or trigger; a setting of the wrong type or out of range."""
 
 
+class ProxyConfigError(ConfigurationError):
+    """A proxy config file (or the flags standing for one) with an unknown key, a bad value, or an entry whose
+    keeper cannot be built; the message names the file, the entry and the key."""
+
+
+class SettingsError(ConfigurationError, ValueError):
+    """A setting that cannot be used: an unknown key or a value of the wrong type."""
+
+
 class RequestTooLarge(ContextKeeperError, ValueError):
     """The parts that are never trimmed (system prompt, tools, the new request) plus the answer do not fit.
 
@@ -161,12 +190,92 @@ class RequestRejected(ContextKeeperError, ValueError):
         super().__init__(message if fix is None or "Fix:" in message else f"{message.rstrip('.')}. Fix: {fix}")
 
 
+class InvalidConversation(ContextKeeperError, ValueError):
+    """A conversation id that cannot be used (empty after trimming, too long, not text)."""
+
+
 class InvariantViolation(ContextKeeperError, AssertionError):
     """A fit broke one of its guarantees (a bug in a strategy): the fit is refused rather than returned."""
 
 
 class UnknownCall(ContextKeeperError, LookupError):
     """A call number that the transcript does not hold."""
+
+
+# Where a ledger's capacity came from, and what raises it (the wording of the two admission errors).
+_MORE_ROOM = {
+    "planned": "store the KV cache in a smaller dtype (kv_dtype='fp8' or 'q8_0') so the GPU holds more tokens, or "
+    "use a bigger GPU",
+    "kv_capacity": "raise kv_capacity if the server's KV cache holds more (vLLM logs 'GPU KV cache size: N tokens')",
+}
+_HOLDER = {"planned": "the GPU holds (planned from the model and GPU)", "kv_capacity": "set by kv_capacity"}
+
+
+def _more_room(source: str | None) -> str:
+    return _MORE_ROOM.get(
+        source or "",
+        "give the ledger more capacity_tokens: store the KV cache in a smaller dtype (kv_dtype='fp8' or 'q8_0') or "
+        "use a bigger GPU",
+    )
+
+
+class AdmissionTimeout(ContextKeeperError, TimeoutError):
+    """A call waited ``timeout`` seconds for room in the KV ledger and got none."""
+
+    def __init__(
+        self,
+        *,
+        requested: int,
+        active: int,
+        capacity: int,
+        waited: float,
+        in_flight: int,
+        label: str | None,
+        source: str | None = None,
+        mode: Literal["wait", "shrink"] = "wait",
+    ) -> None:
+        self.requested = requested
+        self.active = active
+        self.capacity = capacity
+        self.waited = waited
+        self.in_flight = in_flight
+        what = f" for {label}" if label else ""
+        shrink = ", use admission='shrink' (the call is fitted into what is free)" if mode == "wait" else ""
+        self.fix = (
+            f"lower concurrency= (fewer calls in flight), raise admission_timeout=, read streams to the end or close "
+            f"them (an open stream holds its tokens){shrink}, or {_more_room(source)}"
+        )
+        super().__init__(
+            f"waited {waited:.1f} s to admit {requested:,} KV tokens{what}, but {active:,} of the capacity of "
+            f"{capacity:,} stayed in use by {in_flight} call(s) in flight (free: {capacity - active:,}, short by "
+            f"{requested - (capacity - active):,}). Fix: {self.fix}"
+        )
+
+
+class ExceedsCapacity(ContextKeeperError, ValueError):
+    """A call needs more KV tokens on its own than the whole capacity: no amount of waiting admits it."""
+
+    def __init__(
+        self,
+        *,
+        requested: int,
+        capacity: int,
+        label: str | None,
+        what: str = "requested",
+        source: str | None = None,
+        shrinkable: bool = False,
+    ) -> None:
+        self.requested = requested
+        self.capacity = capacity
+        name = f" ({label})" if label else ""
+        holder = _HOLDER.get(source or "", "of the ledger")
+        # Shrinking helps only a call whose never-trimmed part fits: then it is fitted into the capacity.
+        shrink = ", use admission='shrink' so it is fitted into the capacity" if shrinkable else ""
+        self.fix = f"lower max_tokens or context_window so one call fits{shrink}, or {_more_room(source)}"
+        super().__init__(
+            f"a call{name} {what} {requested:,} KV tokens, {requested - capacity:,} more than the capacity of "
+            f"{capacity:,} {holder} for all calls together. Fix: {self.fix}"
+        )
 
 
 class MessageError(ContextKeeperError, ValueError):
@@ -291,3 +400,23 @@ class StreamInterrupted(TransportError):
 class TranscriptUnavailable(TransportError):
     """The transcript's database could not be reached, at open or during a call (a restart, a network cut). The
     message names the database (its URL without the password); the next call connects again."""
+
+
+class LedgerUnavailable(TransportError):
+    """The shared ledger's Redis could not be reached (at start, or during an admission)."""
+
+
+class SharedUnavailable(TransportError):
+    """The shared state's Redis could not be reached (``shared_unavailable="local"`` goes on without it)."""
+
+
+class ContextKeeperWarning(UserWarning):
+    """Base of every warning contextkeeper gives: something to know, not an error (the call went on)."""
+
+
+class DriftWarning(ContextKeeperWarning):
+    """The server counted the prompt differently from the keeper (warned once per server)."""
+
+
+class DetectionWarning(ContextKeeperWarning):
+    """``server="auto"`` could not tell the server, or cannot count its way: the keeper counts as before."""

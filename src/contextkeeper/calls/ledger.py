@@ -25,88 +25,13 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .._exceptions import ConfigurationError, ContextKeeperError
+from .._exceptions import AdmissionTimeout, ConfigurationError, ExceedsCapacity
 
 __all__ = ["AdmissionTimeout", "ExceedsCapacity", "Ledger", "Ticket", "capacity_from_plan"]
 
 Mode = Literal["wait", "shrink"]
 
 log = logging.getLogger("contextkeeper")
-
-#: Where a ledger's capacity came from, and what raises it.
-_MORE_ROOM = {
-    "planned": "store the KV cache in a smaller dtype (kv_dtype='fp8' or 'q8_0') so the GPU holds more tokens, or "
-    "use a bigger GPU",
-    "kv_capacity": "raise kv_capacity if the server's KV cache holds more (vLLM logs 'GPU KV cache size: N tokens')",
-}
-_HOLDER = {"planned": "the GPU holds (planned from the model and GPU)", "kv_capacity": "set by kv_capacity"}
-
-
-def _more_room(source: str | None) -> str:
-    return _MORE_ROOM.get(
-        source or "",
-        "give the ledger more capacity_tokens: store the KV cache in a smaller dtype (kv_dtype='fp8' or 'q8_0') or "
-        "use a bigger GPU",
-    )
-
-
-class AdmissionTimeout(ContextKeeperError, TimeoutError):
-    """A call waited ``timeout`` seconds for room in the KV ledger and got none."""
-
-    def __init__(
-        self,
-        *,
-        requested: int,
-        active: int,
-        capacity: int,
-        waited: float,
-        in_flight: int,
-        label: str | None,
-        source: str | None = None,
-        mode: Mode = "wait",
-    ) -> None:
-        self.requested = requested
-        self.active = active
-        self.capacity = capacity
-        self.waited = waited
-        self.in_flight = in_flight
-        what = f" for {label}" if label else ""
-        shrink = ", use admission='shrink' (the call is fitted into what is free)" if mode == "wait" else ""
-        self.fix = (
-            f"lower concurrency= (fewer calls in flight), raise admission_timeout=, read streams to the end or close "
-            f"them (an open stream holds its tokens){shrink}, or {_more_room(source)}"
-        )
-        super().__init__(
-            f"waited {waited:.1f} s to admit {requested:,} KV tokens{what}, but {active:,} of the capacity of "
-            f"{capacity:,} stayed in use by {in_flight} call(s) in flight (free: {capacity - active:,}, short by "
-            f"{requested - (capacity - active):,}). Fix: {self.fix}"
-        )
-
-
-class ExceedsCapacity(ContextKeeperError, ValueError):
-    """A call needs more KV tokens on its own than the whole capacity: no amount of waiting admits it."""
-
-    def __init__(
-        self,
-        *,
-        requested: int,
-        capacity: int,
-        label: str | None,
-        what: str = "requested",
-        source: str | None = None,
-        shrinkable: bool = False,
-    ) -> None:
-        self.requested = requested
-        self.capacity = capacity
-        name = f" ({label})" if label else ""
-        holder = _HOLDER.get(source or "", "of the ledger")
-        # Shrinking helps only a call whose never-trimmed part fits: then it is fitted into the capacity.
-        shrink = ", use admission='shrink' so it is fitted into the capacity" if shrinkable else ""
-        self.fix = f"lower max_tokens or context_window so one call fits{shrink}, or {_more_room(source)}"
-        super().__init__(
-            f"a call{name} {what} {requested:,} KV tokens, {requested - capacity:,} more than the capacity of "
-            f"{capacity:,} {holder} for all calls together. Fix: {self.fix}"
-        )
 
 
 @dataclass(eq=False)

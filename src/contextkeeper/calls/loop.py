@@ -63,6 +63,7 @@ from .._exceptions import (
     ConfigurationError,
     ContextLengthExceeded,
     CountingError,
+    DriftWarning,
     MessageError,
     OutOfMemory,
     ProviderError,
@@ -111,10 +112,6 @@ log = logging.getLogger("contextkeeper")
 CALLER_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
     "contextkeeper_caller_loop", default=None
 )
-
-
-class DriftWarning(UserWarning):
-    """The server counted the prompt differently from the keeper (warned once per server)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from .._exceptions import ConfigurationError, TransportError
+from .._exceptions import ConfigurationError, LedgerUnavailable
 from .ledger import AdmissionTimeout, ExceedsCapacity, Ledger, Mode, Ticket, _check_seconds
 from .redis_client import connect, connection_errors
 from .redis_client import safe_url as _safe
@@ -417,10 +417,6 @@ def _writing(ref: weakref.ref[RedisLedger], releases: _Releases, stop: threading
             return
         ledger._send_releases(releases.take())
         del ledger
-
-
-class LedgerUnavailable(TransportError):
-    """The shared ledger's Redis could not be reached (at start, or during an admission)."""
 
 
 def _unavailable(url: str, error: Exception) -> LedgerUnavailable:

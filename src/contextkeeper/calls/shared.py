@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from .._exceptions import ConfigurationError, TransportError
+from .._exceptions import ConfigurationError, SharedUnavailable
 from .redis_client import connect, connection_errors, safe_url
 
 __all__ = ["ConversationShare", "ServerFacts", "SharedState", "SharedUnavailable", "SummaryClaim"]
@@ -50,10 +50,6 @@ T = TypeVar("T")
 
 # Deletes the lease only while it is still ours (a lease that ran out may be another process's by now).
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-
-
-class SharedUnavailable(TransportError):
-    """The shared state's Redis could not be reached (``shared_unavailable="local"`` goes on without it)."""
 
 
 @dataclass(frozen=True, kw_only=True)

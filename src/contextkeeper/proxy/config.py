@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from .._exceptions import ConfigurationError, ContextKeeperError
+from .._exceptions import ConfigurationError, ContextKeeperError, ProxyConfigError
 from ..strategies.settings import Settings
 
 if sys.version_info >= (3, 11):
@@ -65,11 +65,6 @@ if TYPE_CHECKING:
 __all__ = ["ModelEntry", "ProxyConfig", "ProxyConfigError", "Route", "build_routes", "default_config", "load_config"]
 
 _SERVERS = "vllm, sglang, llama.cpp, lmstudio, ollama, transformers, openai or auto"
-
-
-class ProxyConfigError(ConfigurationError):
-    """A proxy config file (or the flags standing for one) with an unknown key, a bad value, or an entry whose
-    keeper cannot be built; the message names the file, the entry and the key."""
 
 
 class ModelEntry(Settings):

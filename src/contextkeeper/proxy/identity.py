@@ -19,14 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from .._exceptions import InvalidConversation
+
 __all__ = ["HEADER", "MAX_LENGTH", "Identity", "InvalidConversation", "identify"]
 
 HEADER = "x-conversation-id"
 MAX_LENGTH = 256  # characters of a conversation id given by the client
-
-
-class InvalidConversation(ValueError):
-    """A conversation id that cannot be used (empty after trimming, too long, not text)."""
 
 
 @dataclass(frozen=True)

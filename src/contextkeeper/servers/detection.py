@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._exceptions import TransportError
+from .._exceptions import DetectionWarning, TransportError
 from .http import api_key, request_json, root_url
 from .kinds import kind_of_url
 
@@ -29,10 +29,6 @@ OWNERS: Mapping[str, str] = {
     "library": "ollama",
     "organization_owner": "lmstudio",
 }
-
-
-class DetectionWarning(UserWarning):
-    """``server="auto"`` could not tell the server, or cannot count its way: the keeper counts as before."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,6 @@ summary strategy takes constraints from what the user said, not from tool output
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 import unicodedata
@@ -600,76 +599,97 @@ def extract(texts: Iterable[str | Source], *, max_names: int = MAX_NAMES) -> tup
     most frequent first). A plain string yields every kind; a :class:`Source` only its ``kinds``."""
     facts: dict[tuple[str, str], Fact] = {}
     tally = _NameTally()
-
-    def add(fact: Fact) -> None:
-        facts.setdefault((fact.kind, fact.key), fact)
-
     for source in texts:
         if isinstance(source, str):
             source = Source(source)
         text = _canonical_text(_strip_code(source.text))
-        kinds = source.kinds
-        if not text.strip() or not kinds:
+        if not text.strip() or not source.kinds:
             continue
-        spans: list[tuple[int, int]] = []
-        taken = functools.partial(_overlaps, spans)
-
-        # Identifiers first: they hold digits, dots and slashes that must not read as numbers or dates.
-        for kind, pattern in (("url", _URL), ("email", _EMAIL), ("id", _UUID), ("path", _PATH)):
-            for match in pattern.finditer(text):
-                value = match.group().rstrip(".,;:!?)")
-                start, stop = match.start(), match.start() + len(value)
-                if taken(start, stop):
-                    continue
-                spans.append((start, stop))
-                if "ids" in kinds:
-                    add(Fact(kind, value, _identifier_key(kind, value)))
-        for match in _DATE.finditer(text):
-            if taken(*match.span()):
-                continue
-            candidates = _date_candidates(match, source=True)
-            if not candidates:
-                continue
-            spans.append(match.span())
-            if "numbers" in kinds:
-                add(Fact("date", match.group().strip(), _date_key(candidates)))
-        for match in _TIME.finditer(text):
-            if taken(*match.span()):
-                continue
-            forms = _time_forms(match)
-            if forms:
-                spans.append(match.span())
-                if "numbers" in kinds:
-                    add(Fact("time", match.group().strip(), forms[0]))
-        for match in _VERSION.finditer(text):
-            groups = match.group().lstrip("vV").split(".")
-            if taken(*match.span()) or all(len(group) == 3 for group in groups[1:]):
-                continue  # 1.234.567 is a number
-            spans.append(match.span())
-            if "ids" in kinds:
-                add(Fact("id", match.group(), normalize(match.group())))
-        for match in _TOKEN.finditer(text):
-            if taken(*match.span()) or not _is_identifier(match.group()):
-                continue
-            spans.append(match.span())
-            if "ids" in kinds:
-                add(Fact("id", match.group(), normalize(match.group())))
-        masked = _masked(text, spans)
-        if "numbers" in kinds:
-            unlisted = _LIST_MARKER.sub(lambda match: match.group(1) + " " * len(match.group(0).lstrip()), masked)
-            for match in _NUMBER.finditer(unlisted):
-                forms = _number_forms(match)
-                if forms:
-                    add(Fact("number", match.group().strip(), forms[0]))
-        if "names" in kinds:
-            tally.scan(masked)
-        if kinds & {"constraints", "tasks", "questions"}:
-            for sentence in _sentences(text):
-                for fact in _sentence_facts(sentence, kinds):
-                    add(fact)
+        for fact in _source_facts(text, source.kinds, tally):
+            facts.setdefault((fact.kind, fact.key), fact)
     ordered = list(facts.values())
     ordered += [fact for fact in tally.top(max_names) if ("name", fact.key) not in facts]
     return tuple(ordered)
+
+
+def _source_facts(text: str, kinds: frozenset[str], tally: _NameTally) -> Iterator[Fact]:
+    """The facts of one source's ``text`` but its names, which go to ``tally`` (they are ranked over all sources)."""
+    spans: list[tuple[int, int]] = []  # text that a fact already claimed
+    # Identifiers first: they hold digits, dots and slashes that must not read as numbers or dates.
+    for claim in (_identifier_facts, _date_facts, _time_facts, _version_facts, _token_facts):
+        yield from claim(text, kinds, spans)
+    masked = _masked(text, spans)
+    if "numbers" in kinds:
+        unlisted = _LIST_MARKER.sub(lambda match: match.group(1) + " " * len(match.group(0).lstrip()), masked)
+        for match in _NUMBER.finditer(unlisted):
+            forms = _number_forms(match)
+            if forms:
+                yield Fact("number", match.group().strip(), forms[0])
+    if "names" in kinds:
+        tally.scan(masked)
+    if kinds & {"constraints", "tasks", "questions"}:
+        for sentence in _sentences(text):
+            yield from _sentence_facts(sentence, kinds)
+
+
+# Each claims the spans of its matches in ``spans`` (whatever ``kinds`` lets it yield), skipping those another
+# fact claimed before.
+
+
+def _identifier_facts(text: str, kinds: frozenset[str], spans: list[tuple[int, int]]) -> Iterator[Fact]:
+    """URLs, emails, UUIDs and paths, without the punctuation that ends the sentence around them."""
+    for kind, pattern in (("url", _URL), ("email", _EMAIL), ("id", _UUID), ("path", _PATH)):
+        for match in pattern.finditer(text):
+            value = match.group().rstrip(".,;:!?)")
+            start, stop = match.start(), match.start() + len(value)
+            if _overlaps(spans, start, stop):
+                continue
+            spans.append((start, stop))
+            if "ids" in kinds:
+                yield Fact(kind, value, _identifier_key(kind, value))
+
+
+def _date_facts(text: str, kinds: frozenset[str], spans: list[tuple[int, int]]) -> Iterator[Fact]:
+    for match in _DATE.finditer(text):
+        if _overlaps(spans, *match.span()):
+            continue
+        candidates = _date_candidates(match, source=True)
+        if not candidates:
+            continue
+        spans.append(match.span())
+        if "numbers" in kinds:
+            yield Fact("date", match.group().strip(), _date_key(candidates))
+
+
+def _time_facts(text: str, kinds: frozenset[str], spans: list[tuple[int, int]]) -> Iterator[Fact]:
+    for match in _TIME.finditer(text):
+        if _overlaps(spans, *match.span()):
+            continue
+        forms = _time_forms(match)
+        if forms:
+            spans.append(match.span())
+            if "numbers" in kinds:
+                yield Fact("time", match.group().strip(), forms[0])
+
+
+def _version_facts(text: str, kinds: frozenset[str], spans: list[tuple[int, int]]) -> Iterator[Fact]:
+    for match in _VERSION.finditer(text):
+        groups = match.group().lstrip("vV").split(".")
+        if _overlaps(spans, *match.span()) or all(len(group) == 3 for group in groups[1:]):
+            continue  # 1.234.567 is a number
+        spans.append(match.span())
+        if "ids" in kinds:
+            yield Fact("id", match.group(), normalize(match.group()))
+
+
+def _token_facts(text: str, kinds: frozenset[str], spans: list[tuple[int, int]]) -> Iterator[Fact]:
+    """Codes like ``ORD-4471``."""
+    for match in _TOKEN.finditer(text):
+        if _overlaps(spans, *match.span()) or not _is_identifier(match.group()):
+            continue
+        spans.append(match.span())
+        if "ids" in kinds:
+            yield Fact("id", match.group(), normalize(match.group()))
 
 
 _LEADING_CONJUNCTION = re.compile(r"^(?:and|also|but|so|plus|then|oh|ok|okay)\b[,:]?\s+", re.IGNORECASE)

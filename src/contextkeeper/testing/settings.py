@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._exceptions import SettingsError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -37,10 +39,6 @@ ARGUMENT = "argument"
 MARKER = "@pytest.mark.contextkeeper"
 PYPROJECT = "[tool.contextkeeper]"
 DEFAULT = "default"
-
-
-class SettingsError(ValueError):
-    """A setting that cannot be used: an unknown key or a value of the wrong type."""
 
 
 @dataclass(frozen=True)

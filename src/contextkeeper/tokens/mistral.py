@@ -176,6 +176,74 @@ class _Setting:
 _USER, _ASSISTANT, _TOOL, _SYSTEM = "user", "assistant", "tool", "system"
 
 
+def _normalized(reads: list[_Read], normalizer: Any) -> tuple[list[Any], list[_Read | None], list[str]]:
+    """The messages mistral-common's normaliser makes of ``reads``, each with its role and the read it stands for
+    alone (None for a joined run, and for the empty user message put first where the list needs one)."""
+    from mistral_common.protocol.instruct.messages import UserMessage
+
+    # The normaliser's runs: neighbours of one role (and one training weight) become one message, tool results
+    # stay one each, system messages leave the list (before v7) or stay as they are.
+    messages: list[Any] = []
+    owners: list[_Read | None] = []
+    roles: list[str] = []
+    i, n = 0, len(reads)
+    while i < n:
+        role, weight = reads[i].role, reads[i].weight
+        j = i + 1
+        while j < n and reads[j].role == role and reads[j].weight == weight:
+            j += 1
+        if role == _TOOL or (j - i == 1 and role != _SYSTEM):
+            for read in reads[i:j]:
+                if read.normalized is None:  # made after the validation, which speaks first
+                    (read.normalized,) = normalizer._aggregate_role([read.converted], role, [])
+                messages.append(read.normalized)
+                owners.append(read)
+                roles.append(role)
+        else:
+            joined = normalizer._aggregate_role([r.converted for r in reads[i:j]], role, [])
+            messages.extend(joined)
+            owners.extend([None] * len(joined))
+            roles.extend(m.role for m in joined)
+        i = j
+    if not messages or (not getattr(normalizer, "_system_prompt_in_begin", False) and roles[0] != _USER):
+        messages.insert(0, UserMessage(content=""))
+        owners.insert(0, None)
+        roles.insert(0, _USER)
+    return messages, owners, roles
+
+
+def _validate_tool_results(instruct: Any, normalizer: Any, messages: list[Any], setting: _Setting) -> None:
+    """The instruct tokenizer's check of tool results against their calls, where its version has one."""
+    checks = getattr(instruct, "_validate_tool_results", None)
+    if checks is not None:
+        checks(
+            request=normalizer._instruct_request_class.model_construct(
+                messages=messages, system_prompt=setting.system_prompt, available_tools=setting.tools
+            )
+        )
+
+
+def _encoded_length(instruct: Any, message: Any, role: str, k: int, first: int, last: int, setting: _Setting) -> int:
+    """Tokens of the normalised message at position ``k`` (``first`` and ``last``: the user messages' ends)."""
+    if role == _USER:
+        encoded = instruct.encode_user_message(
+            message,
+            setting.tools,
+            k == last,
+            k == first,
+            system_prompt=setting.system_prompt,
+            force_img_first=True,
+            settings=setting.settings,
+        )[0]
+    elif role == _TOOL:
+        encoded = instruct.encode_tool_message(message, k < last)[0]
+    elif role == _ASSISTANT:
+        encoded = instruct.encode_assistant_message(message=message, is_before_last_user_message=k < last)
+    else:
+        encoded = instruct.encode_system_message(message)[0]
+    return len(encoded or ())
+
+
 class MistralCounter:
     """Counts with mistral-common's own chat encoder (``encode_chat_completion``).
 
@@ -355,8 +423,6 @@ class MistralCounter:
 
     def _incremental(self, conversation: Conversation, tools: ToolsLike) -> tuple[int, list[tuple[int, ContentPart]]]:
         """``encode_chat_completion``'s count made of each message's own tokens (see the class)."""
-        from mistral_common.protocol.instruct.messages import UserMessage
-
         found = self._reads.get_many(conversation)
         reads = [read if read is not None else self._read(m) for m, read in zip(conversation, found, strict=True)]
         tokenizer = self._tokenizer_for(reads[-1].role if reads else None)
@@ -364,44 +430,11 @@ class MistralCounter:
         setting = self._setting(reads, tools)
         normalizer = tokenizer._instruct_request_normalizer
         instruct = self._instruct
-        # The normaliser's runs: neighbours of one role (and one training weight) become one message, tool
-        # results stay one each, system messages leave the list (before v7) or stay as they are.
-        messages: list[Any] = []
-        owners: list[_Read | None] = []
-        roles: list[str] = []
-        i, n = 0, len(reads)
-        while i < n:
-            role, weight = reads[i].role, reads[i].weight
-            j = i + 1
-            while j < n and reads[j].role == role and reads[j].weight == weight:
-                j += 1
-            if role == _TOOL or (j - i == 1 and role != _SYSTEM):
-                for read in reads[i:j]:
-                    if read.normalized is None:  # made after the validation, which speaks first
-                        (read.normalized,) = normalizer._aggregate_role([read.converted], role, [])
-                    messages.append(read.normalized)
-                    owners.append(read)
-                    roles.append(role)
-            else:
-                joined = normalizer._aggregate_role([r.converted for r in reads[i:j]], role, [])
-                messages.extend(joined)
-                owners.extend([None] * len(joined))
-                roles.extend(m.role for m in joined)
-            i = j
-        if not messages or (not getattr(normalizer, "_system_prompt_in_begin", False) and roles[0] != _USER):
-            messages.insert(0, UserMessage(content=""))
-            owners.insert(0, None)
-            roles.insert(0, _USER)
+        messages, owners, roles = _normalized(reads, normalizer)
         instruct.validate_messages(messages)
         users = [k for k, role in enumerate(roles) if role == _USER]
         first, last = (users[0], users[-1]) if users else (-1, -1)
-        checks = getattr(instruct, "_validate_tool_results", None)
-        if checks is not None:
-            checks(
-                request=normalizer._instruct_request_class.model_construct(
-                    messages=messages, system_prompt=setting.system_prompt, available_tools=setting.tools
-                )
-            )
+        _validate_tool_results(instruct, normalizer, messages, setting)
         total = len(instruct.start())
         # A message's tokens by its position: a user message's by (last, first, setting), the others' by whether
         # they come before the last user message (system messages' by nothing).
@@ -410,23 +443,7 @@ class MistralCounter:
             key: Any = (k == last, k == first, serial) if role == _USER else (k < last if role != _SYSTEM else None)
             tokens = owner.tokens.get(key) if owner is not None else None
             if tokens is None:
-                if role == _USER:
-                    encoded = instruct.encode_user_message(
-                        message,
-                        setting.tools,
-                        k == last,
-                        k == first,
-                        system_prompt=setting.system_prompt,
-                        force_img_first=True,
-                        settings=setting.settings,
-                    )[0]
-                elif role == _TOOL:
-                    encoded = instruct.encode_tool_message(message, k < last)[0]
-                elif role == _ASSISTANT:
-                    encoded = instruct.encode_assistant_message(message=message, is_before_last_user_message=k < last)
-                else:
-                    encoded = instruct.encode_system_message(message)[0]
-                tokens = len(encoded or ())
+                tokens = _encoded_length(instruct, message, role, k, first, last, setting)
                 if owner is not None:
                     owner.tokens[key] = tokens
             total += tokens

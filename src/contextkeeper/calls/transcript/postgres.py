@@ -647,15 +647,9 @@ class PostgresTranscript(Transcript):
         for _ in range(_TEND_PASSES):  # bounded; a later call starts it again
             time.sleep(delay)
             with self._lock:
-                if self._closed or self._pid != os.getpid() or self._thread is not threading.current_thread():
+                if not self._tending():
                     return
-                if not (self._outbox or self._begun or self._orphans or self._dropped):
-                    self._thread = None
-                    return
-                db = self._db
-                if db is not None and self._in_flight is None and (db.broken or db.closed or _gone(db)):
-                    db.close()
-                    self._db = db = None
+                db = self._live_session()
             opened = None
             if db is None:  # connected outside the lock: other threads' calls are not held up meanwhile
                 try:
@@ -663,23 +657,47 @@ class PostgresTranscript(Transcript):
                 except TranscriptUnavailable:
                     with self._lock:
                         self._failed_at = time.monotonic()
-                    delay = min(max(2 * delay, _RETRY_SECONDS), _RETRY_MAX_SECONDS)
+                    delay = _backoff(delay)
                     continue
             with self._lock:
-                try:
-                    if opened is not None:
-                        if self._closed or self._pid != os.getpid() or self._db is not None:
-                            opened.close()  # (connected meanwhile by a call, or closed)
-                        else:
-                            self._db = self._connect(opened)
-                    if self._db is not None and (self._outbox or self._orphans or self._dropped):
-                        self._drain(self._connection(drain=False), limit=_CHUNK)
-                    delay = _NEXT_CHUNK_SECONDS if self._outbox else _WATCH_SECONDS
-                except ContextKeeperError:  # (lost again, or closed meanwhile: the next pass looks again)
-                    delay = min(max(2 * delay, _RETRY_SECONDS), _RETRY_MAX_SECONDS)
+                delay = self._tend_pass(opened, delay)
         with self._lock:
             if self._thread is threading.current_thread():
                 self._thread = None
+
+    def _tending(self) -> bool:
+        """Whether this thread still has anything to look after (the caller holds the lock); once nothing is left,
+        it lets go of the transcript (a later call starts another)."""
+        if self._closed or self._pid != os.getpid() or self._thread is not threading.current_thread():
+            return False
+        if not (self._outbox or self._begun or self._orphans or self._dropped):
+            self._thread = None
+            return False
+        return True
+
+    def _live_session(self) -> psycopg.Connection[tuple[Any, ...]] | None:
+        """The session, or None where it is lost (then closed and forgotten); the caller holds the lock. Not while a
+        result is in flight on it: reading it first is the next use's work."""
+        db = self._db
+        if db is not None and self._in_flight is None and (db.broken or db.closed or _gone(db)):
+            db.close()
+            self._db = db = None
+        return db
+
+    def _tend_pass(self, opened: psycopg.Connection[tuple[Any, ...]] | None, delay: float) -> float:
+        """One pass of :meth:`_tend` under the lock: make ``opened`` (if any) the session, send the outbox a chunk;
+        the delay before the next pass."""
+        try:
+            if opened is not None:
+                if self._closed or self._pid != os.getpid() or self._db is not None:
+                    opened.close()  # (connected meanwhile by a call, or closed)
+                else:
+                    self._db = self._connect(opened)
+            if self._db is not None and (self._outbox or self._orphans or self._dropped):
+                self._drain(self._connection(drain=False), limit=_CHUNK)
+            return _NEXT_CHUNK_SECONDS if self._outbox else _WATCH_SECONDS
+        except ContextKeeperError:  # (lost again, or closed meanwhile: the next pass looks again)
+            return _backoff(delay)
 
     def _run(
         self, name: str, params: Sequence[Any] = (), db: psycopg.Connection[tuple[Any, ...]] | None = None
@@ -1294,6 +1312,12 @@ def _password_of(url: str) -> str | None:
     authority = url.partition("://")[2].partition("/")[0]
     user, at, _ = authority.rpartition("@")
     return user.partition(":")[2] or None if at else None
+
+
+def _backoff(delay: float) -> float:
+    """The wait after a failed pass of the outbox's thread: doubled, from _RETRY_SECONDS up to _RETRY_MAX_SECONDS
+    (a pass after a short chunk pause starts again from the first)."""
+    return min(max(2 * delay, _RETRY_SECONDS), _RETRY_MAX_SECONDS)
 
 
 def _gone(db: psycopg.Connection[tuple[Any, ...]]) -> bool:

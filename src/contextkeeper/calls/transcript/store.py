@@ -246,81 +246,117 @@ def diff_prompt(inputs: Sequence[Any], sent: Sequence[Any], *, unread: int = 0) 
     rewritten (their content lives on in it), except the ``unread`` oldest history messages, which a fit
     drops beyond its horizon without reading. Everything else is ``dropped``.
     """
-    n, m = len(inputs), len(sent)
-    plain_in: dict[int, dict[str, Any]] = {}
-    plain_out: dict[int, dict[str, Any]] = {}
+    n = len(inputs)
+    pin, pout = _lazy_plain(inputs), _lazy_plain(sent)
+    match = _identity_matches(inputs, sent)  # sent index -> input index
+    anchors = [(-1, -1), *sorted((i, j) for j, i in match.items()), (n, len(sent))]
+    gaps = [(range(i0 + 1, i1), range(j0 + 1, j1)) for (i0, j0), (i1, j1) in itertools.pairwise(anchors)]
+    for in_gap, out_gap in gaps:
+        _match_equal(in_gap, out_gap, match, pin, pout)
+    kept = set(match.values())
+    never_read = _never_read(pin, n, unread)
+    rewritten: set[int] = set()
+    for in_gap, out_gap in gaps:
+        rewritten |= _rewritten_in_gap(in_gap, out_gap, match, kept, pin, pout, never_read)
+    dropped = tuple(sorted(set(range(n)) - kept - rewritten))
+    return tuple(sorted(kept)), dropped, tuple(sorted(rewritten))
 
-    def pin(i: int) -> dict[str, Any]:
-        if i not in plain_in:
-            plain_in[i] = _plain(inputs[i])
-        return plain_in[i]
 
-    def pout(j: int) -> dict[str, Any]:
-        if j not in plain_out:
-            plain_out[j] = _plain(sent[j])
-        return plain_out[j]
+def _lazy_plain(messages: Sequence[Any]) -> Callable[[int], dict[str, Any]]:
+    """``_plain(messages[i])``, made on first use and kept: a long chat is mostly matched by identity, unread."""
+    plains: dict[int, dict[str, Any]] = {}
 
-    # 1. Identity anchors, in order.
-    match: dict[int, int] = {}  # sent index -> input index
+    def plain(i: int) -> dict[str, Any]:
+        if i not in plains:
+            plains[i] = _plain(messages[i])
+        return plains[i]
+
+    return plain
+
+
+def _identity_matches(inputs: Sequence[Any], sent: Sequence[Any]) -> dict[int, int]:
+    """``sent`` index -> ``inputs`` index of the very same object, in order: the anchors of the diff."""
+    match: dict[int, int] = {}
     last = -1
-    unique = dict(zip(map(id, inputs), range(n), strict=True))  # at C speed: a long chat is mostly kept as is
-    if len(unique) == n:
+    unique = dict(zip(map(id, inputs), range(len(inputs)), strict=True))  # at C speed: a long chat is mostly kept
+    if len(unique) == len(inputs):
         for j, message in enumerate(sent):
             found = unique.get(id(message))
             if found is not None and found > last:
                 match[j] = last = found
-    else:  # the caller put one object in its list twice
-        by_id: dict[int, list[int]] = {}
-        for i, message in enumerate(inputs):
-            by_id.setdefault(id(message), []).append(i)
-        for j, message in enumerate(sent):
-            found = next((c for c in by_id.get(id(message), ()) if c > last), None)
-            if found is not None:
-                match[j] = last = found
-    # 2. Equal messages between anchors.
-    anchors = [(-1, -1), *sorted((i, j) for j, i in match.items()), (n, m)]
-    gaps: list[tuple[range, range]] = []
-    for (i0, j0), (i1, j1) in itertools.pairwise(anchors):
-        gaps.append((range(i0 + 1, i1), range(j0 + 1, j1)))
-    for in_gap, out_gap in gaps:
-        pointer = in_gap.start
-        for j in out_gap:
-            equal = next((i for i in range(pointer, in_gap.stop) if pin(i) == pout(j)), None)
-            if equal is not None:
-                match[j] = equal
-                pointer = equal + 1
-    kept = set(match.values())
-    # 3. Attribute what is left, gap by gap.
+        return match
+    by_id: dict[int, list[int]] = {}  # the caller put one object in its list twice
+    for i, message in enumerate(inputs):
+        by_id.setdefault(id(message), []).append(i)
+    for j, message in enumerate(sent):
+        found = next((c for c in by_id.get(id(message), ()) if c > last), None)
+        if found is not None:
+            match[j] = last = found
+    return match
+
+
+def _match_equal(
+    in_gap: range,
+    out_gap: range,
+    match: dict[int, int],
+    pin: Callable[[int], dict[str, Any]],
+    pout: Callable[[int], dict[str, Any]],
+) -> None:
+    """Add to ``match`` the equal messages of one gap between anchors, in order."""
+    pointer = in_gap.start
+    for j in out_gap:
+        equal = next((i for i in range(pointer, in_gap.stop) if pin(i) == pout(j)), None)
+        if equal is not None:
+            match[j] = equal
+            pointer = equal + 1
+
+
+def _never_read(pin: Callable[[int], dict[str, Any]], n: int, unread: int) -> range:
+    """The ``unread`` oldest history inputs (after the leading system messages)."""
     system_end = 0
     while system_end < n and pin(system_end).get("role") in ("system", "developer"):
         system_end += 1
-    never_read = range(system_end, system_end + max(0, unread))
+    return range(system_end, system_end + max(0, unread))
+
+
+def _rewritten_in_gap(
+    in_gap: range,
+    out_gap: range,
+    match: dict[int, int],
+    kept: set[int],
+    pin: Callable[[int], dict[str, Any]],
+    pout: Callable[[int], dict[str, Any]],
+    never_read: range,
+) -> set[int]:
+    """The inputs of one gap that its changed prompt messages stand for (see :func:`diff_prompt`)."""
+    changed = [j for j in out_gap if j not in match]
+    if not changed:
+        return set()  # a gap of inputs the prompt does not hold in any form: dropped
+    free_in = [i for i in in_gap if i not in kept]
+    if not free_in:
+        return set()
     rewritten: set[int] = set()
-    for in_gap, out_gap in gaps:
-        changed = [j for j in out_gap if j not in match]
-        if not changed:
-            continue  # a gap of inputs the prompt does not hold in any form: dropped
-        free_in = [i for i in in_gap if i not in kept]
-        if not free_in:
+    summarised = False
+    pointer = len(free_in)
+    for j in reversed(changed):
+        message = pout(j)
+        if _is_summary(message):
+            summarised = True
             continue
-        summarised = False
-        pointer = len(free_in)
-        for j in reversed(changed):
-            message = pout(j)
-            if _is_summary(message):
-                summarised = True
-                continue
-            if _is_ack(message) and j > 0 and _is_summary(pout(j - 1)):
-                continue
-            key = _key(message)
-            found = next((p for p in range(pointer - 1, -1, -1) if _key(pin(free_in[p])) == key), None)
-            if found is not None:
-                rewritten.add(free_in[found])
-                pointer = found
-        if summarised:
-            rewritten.update(i for i in free_in[:pointer] if i not in never_read)
-    dropped = tuple(sorted(set(range(n)) - kept - rewritten))
-    return tuple(sorted(kept)), dropped, tuple(sorted(rewritten))
+        if _is_ack(message) and j > 0 and _is_summary(pout(j - 1)):
+            continue  # the summary's acknowledgement stands for no input of its own
+        found = _nearest(_key(message), free_in, pointer, pin)
+        if found is not None:
+            rewritten.add(free_in[found])
+            pointer = found
+    if summarised:
+        rewritten.update(i for i in free_in[:pointer] if i not in never_read)
+    return rewritten
+
+
+def _nearest(key: tuple[Any, ...], free_in: list[int], stop: int, pin: Callable[[int], dict[str, Any]]) -> int | None:
+    """The last position before ``stop`` in ``free_in`` whose input has ``key`` (a fit drops the oldest first)."""
+    return next((p for p in range(stop - 1, -1, -1) if _key(pin(free_in[p])) == key), None)
 
 
 def make_entry(

@@ -123,33 +123,36 @@ def _sets_true(node: nodes.Node, space: str, attr: str) -> bool:
     )
 
 
-def _stopping_test(loop: nodes.For) -> tuple[nodes.Node, str] | None:
-    """The test that stops the scan and the name of the list it reads, when the loop has one of the two shapes:
-    ``{% if not ns.f %}...{% if <test> %}...{% set ns.f = true %}...{% endif %}...{% endif %}`` or
-    ``{% if ns.f %}{% elif <test> %}{% set ns.f = true %}{% else %}...{% endif %}``."""
+def _guard_stopper(guard: nodes.If, space: str, attr: str) -> nodes.Node | None:
+    """The test of ``{% if not ns.f %}...{% if <test> %}...{% set ns.f = true %}...{% endif %}...{% endif %}``."""
+    if guard.elif_ or guard.else_:
+        return None
+    stoppers = [n for n in guard.body if isinstance(n, nodes.If) and any(_sets_true(w, space, attr) for w in n.body)]
+    if len(stoppers) != 1 or stoppers[0].elif_ or stoppers[0].else_:
+        return None
+    return stoppers[0].test
+
+
+def _elif_stopper(guard: nodes.If, space: str, attr: str) -> nodes.Node | None:
+    """The test of ``{% if ns.f %}{% elif <test> %}{% set ns.f = true %}{% else %}...{% endif %}``."""
+    if guard.body or len(guard.elif_) != 1 or not guard.elif_[0].body:
+        return None
+    branch = guard.elif_[0]
+    return branch.test if any(_sets_true(w, space, attr) for w in branch.body) else None
+
+
+def _plain_guard(loop: nodes.For) -> nodes.If | None:
+    """The ``if`` that is the whole body of a plain loop (no ``else``, filter or recursion, one target)."""
     if loop.else_ or loop.test is not None or loop.recursive or not isinstance(loop.target, nodes.Name):
         return None
     if len(loop.body) != 1 or not isinstance(loop.body[0], nodes.If):
         return None
-    guard = loop.body[0]
-    flag = _flag_of(guard.test)
-    if flag is None:
-        return None
-    space, attr, wanted = flag
-    if not wanted and not guard.elif_ and not guard.else_:
-        stoppers = [
-            n for n in guard.body if isinstance(n, nodes.If) and any(_sets_true(w, space, attr) for w in n.body)
-        ]
-        if len(stoppers) != 1 or stoppers[0].elif_ or stoppers[0].else_:
-            return None
-        test = stoppers[0].test
-    elif wanted and not guard.body and len(guard.elif_) == 1 and guard.elif_[0].body:
-        branch = guard.elif_[0]
-        if not any(_sets_true(w, space, attr) for w in branch.body):
-            return None
-        test = branch.test
-    else:
-        return None
+    return loop.body[0]
+
+
+def _flag_decided(loop: nodes.For, space: str, attr: str) -> bool:
+    """Whether the stopper's ``{% set space.attr = true %}`` is all in ``loop`` that changes the flag: no other
+    write of it, no jump past the guard, no new binding of the namespace."""
     writes = [
         n
         for n in walk(loop)
@@ -158,11 +161,28 @@ def _stopping_test(loop: nodes.For) -> tuple[nodes.Node, str] | None:
         and (n.target.name, n.target.attr) == (space, attr)
     ]
     if len(writes) != 1:
-        return None  # another write could set (or clear) the flag where the test does not decide it
+        return False  # another write could set (or clear) the flag where the test does not decide it
     if any(isinstance(n, (nodes.Break, nodes.Continue, nodes.Macro, nodes.CallBlock)) for n in walk(loop)):
+        return False
+    return not any(isinstance(n, nodes.Name) and n.name == space and n.ctx != "load" for n in walk(loop))
+
+
+def _stopping_test(loop: nodes.For) -> tuple[nodes.Node, str] | None:
+    """The test that stops the scan and the name of the list it reads, when the loop has one of the two shapes:
+    ``{% if not ns.f %}...{% if <test> %}...{% set ns.f = true %}...{% endif %}...{% endif %}`` or
+    ``{% if ns.f %}{% elif <test> %}{% set ns.f = true %}{% else %}...{% endif %}``."""
+    guard = _plain_guard(loop)
+    if guard is None:
         return None
-    if any(isinstance(n, nodes.Name) and n.name == space and n.ctx != "load" for n in walk(loop)):
+    flag = _flag_of(guard.test)
+    if flag is None:
         return None
+    space, attr, wanted = flag
+    # The guard tests ``ns.f`` in the second shape, ``not ns.f`` in the first.
+    test = (_elif_stopper if wanted else _guard_stopper)(guard, space, attr)
+    if test is None or not _flag_decided(loop, space, attr):
+        return None
+    assert isinstance(loop.target, nodes.Name)  # _plain_guard passed
     reads = _index_reads(test, loop.target.name)
     if reads is None or len(reads) != 1:
         return None

@@ -294,39 +294,54 @@ def carried_namespaces_only(parsed: Parsed) -> str | None:
     # the bodies (part of each body's key, its value after the body remembered with the output) when the head
     # makes the namespace once, at its top level, and nothing else in the template binds the name again or
     # reaches it from a macro.
-    position = parsed.loops[0]
     others = [node for node in parsed.ast.body if node is not parsed.loop]
     outside = _assigned(nodes.Template(others, lineno=1))
     shadowed = sorted(parsed.local_namespaces & outside)
     if shadowed:
         return f"the body makes namespace `{shadowed[0]}`, a name the template also binds outside the loop"
     for name in parsed.carried:
-        made = [
-            n
-            for n in parsed.ast.body[:position]
-            if isinstance(n, nodes.Assign)
-            and isinstance(n.target, nodes.Name)
-            and n.target.name == name
-            and is_namespace_call(n.node)
-        ]
-        # A macro that binds the name for itself before it uses it (Gemma 4's formatting macros each make an
-        # ``ns`` of their own) never reaches the carried one: its stores do not count.
-        own = [macro for macro in parsed.macros.values() if _mentions(macro, name) and _binds_first(macro.body, name)]
-        inside_own = {id(n) for macro in own for n in walk(macro)}
-        stores = [
-            n
-            for n in walk(parsed.ast)
-            if isinstance(n, nodes.Name) and n.name == name and n.ctx != "load" and id(n) not in inside_own
-        ]
-        if len(made) != 1 or len(stores) != 1:
-            where = next(iter(n for n in walk(parsed.body) if isinstance(n, nodes.NSRef) and n.name == name))
-            return (
-                f"the body writes namespace `{name}`, which the head does not make once at its top level with "
-                f"namespace(...) (line {where.lineno})"
-            )
-        if any(_mentions(macro, name) for macro in parsed.macros.values() if macro not in own):
-            return f"a macro reads or writes namespace `{name}`, which the body carries from message to message"
+        reason = _carry_refusal(parsed, name)
+        if reason is not None:
+            return reason
     return None
+
+
+def _carry_refusal(parsed: Parsed, name: str) -> str | None:
+    """Why the body cannot carry namespace ``name`` from message to message; None when it can."""
+    # A macro that binds the name for itself before it uses it (Gemma 4's formatting macros each make an
+    # ``ns`` of their own) never reaches the carried one: its stores do not count.
+    own = [macro for macro in parsed.macros.values() if _mentions(macro, name) and _binds_first(macro.body, name)]
+    if _head_makes(parsed, name) != 1 or _stores(parsed, name, own) != 1:
+        where = next(iter(n for n in walk(parsed.body) if isinstance(n, nodes.NSRef) and n.name == name))
+        return (
+            f"the body writes namespace `{name}`, which the head does not make once at its top level with "
+            f"namespace(...) (line {where.lineno})"
+        )
+    if any(_mentions(macro, name) for macro in parsed.macros.values() if macro not in own):
+        return f"a macro reads or writes namespace `{name}`, which the body carries from message to message"
+    return None
+
+
+def _head_makes(parsed: Parsed, name: str) -> int:
+    """How many ``{% set name = namespace(...) %}`` the head has at its top level."""
+    return sum(
+        1
+        for n in parsed.ast.body[: parsed.loops[0]]
+        if isinstance(n, nodes.Assign)
+        and isinstance(n.target, nodes.Name)
+        and n.target.name == name
+        and is_namespace_call(n.node)
+    )
+
+
+def _stores(parsed: Parsed, name: str, own: list[nodes.Macro]) -> int:
+    """How many places in the template bind ``name``, outside the macros ``own`` that bind it for themselves."""
+    inside_own = {id(n) for macro in own for n in walk(macro)}
+    return sum(
+        1
+        for n in walk(parsed.ast)
+        if isinstance(n, nodes.Name) and n.name == name and n.ctx != "load" and id(n) not in inside_own
+    )
 
 
 def _mentions(node: nodes.Node, name: str) -> bool:
