@@ -17,20 +17,23 @@ import threading
 import time
 import warnings
 from collections.abc import Awaitable, Sequence
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ._exceptions import ConfigurationError, InvariantViolation, RequestTooLarge, TransportError
 from .calls.redis_client import SCHEMES, is_redis_url
 from .fit import engine
 from .fit.budget import Budget, Reserve
 from .fit.report import Fit, FitReport
-from .fit.session import DEFAULT_CONVERSATION, Sessions
+from .fit.session import DEFAULT_CONVERSATION, Session, Sessions
 from .messages import MessageLike
 from .servers.calibration import Calibration, calibrate
 from .servers.dialects import DIALECTS, Dialect, dialect_of
 from .strategies.base import LLMCall
 from .strategies.policy import Policy, resolve_policy
 from .tokens import TemplateLimits, TokenCounter, load_counter
+
+if TYPE_CHECKING:
+    from .calls.loop import Calls
 
 # The fit's types live in their own modules; importable from here as they always were.
 __all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge", "Reserve"]
@@ -212,6 +215,7 @@ class ContextKeeper:
         self.monitor = monitor
         self.last_call: Any = None
         self._calls: Any = None
+        self._calls_lock = threading.Lock()  # threads that wrap at the same moment get the same call state
 
     def fresh(self) -> ContextKeeper:
         """The same keeper (counter, limit, policy, summarizer) without memory of earlier fits: the next fit is
@@ -221,6 +225,7 @@ class ContextKeeper:
         clone.last_fit = None
         clone.last_call = None
         clone._calls = None
+        clone._calls_lock = threading.Lock()
         return clone
 
     @staticmethod
@@ -416,9 +421,29 @@ class ContextKeeper:
         self.server = getattr(counter, "dialect", None) or dialect_of(found.server)
         self._sessions = Sessions(self.counter, self.conversations)  # counts made the old way are not reused
 
-    def _make_calls(self) -> Any:
+    def session(self, conversation: str | None = None) -> Session:
+        """The session of ``conversation`` (made when new): what its fits leave for the next."""
+        return self._sessions.get(conversation or DEFAULT_CONVERSATION)
+
+    @property
+    def calls(self) -> Calls:
+        """What this keeper's wrapped calls share (a :class:`~contextkeeper.calls.loop.Calls`: the ledger, the
+        transcript, what each server taught), made on first use."""
+        calls: Calls | None = self._calls
+        if calls is None:
+            with self._calls_lock:
+                calls = self._calls if self._calls is not None else self._make_calls()
+        return calls
+
+    def _recorded_fit(self, fit: Fit) -> None:
+        self.last_fit = fit
+
+    def _recorded_call(self, report: Any) -> None:
+        self.last_call = report
+
+    def _make_calls(self) -> Calls:
         from .calls.ledger import capacity_from_plan
-        from .calls.loop import Calls
+        from .calls.loop import Calls, Hooks
         from .calls.transcript.store import open_transcript
 
         settings = self._call_settings
@@ -432,6 +457,7 @@ class ContextKeeper:
         ledger, shared = self._ledger(capacity, source), self.shared
         calls = Calls(
             keeper=self,
+            hooks=Hooks(fit=(self._recorded_fit,), report=(self._recorded_call,)),
             ledger=ledger,
             transcript=open_transcript(settings["transcript"]),
             shared=shared,
@@ -471,16 +497,12 @@ class ContextKeeper:
     @property
     def transcript(self) -> Any:
         """Everything wrapped calls sent and received, and what each fit dropped or rewrote."""
-        from .calls.loop import calls_of
-
-        return calls_of(self).transcript
+        return self.calls.transcript
 
     @property
     def ledger(self) -> Any:
         """The active tokens of wrapped calls in flight (admission against the GPU's KV capacity)."""
-        from .calls.loop import calls_of
-
-        return calls_of(self).ledger
+        return self.calls.ledger
 
     def kv_bytes(self, tokens: int) -> tuple[int | None, float | None]:
         """The KV cache ``tokens`` take for one sequence on the keeper's runtime, and their share of the GPU's KV

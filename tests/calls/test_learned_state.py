@@ -20,7 +20,6 @@ import pytest
 import contextkeeper as ck
 from assets import require_assets, template, tokenizer_dir
 from conftest import hf_tokenizer
-from contextkeeper.calls.loop import calls_of
 from contextkeeper.calls.shared import SharedState
 from engines import RedisServer
 from openai_server import ChatServer
@@ -186,7 +185,7 @@ def test_one_outlier_does_not_move_the_plain_offset_three_agreeing_replies_do_an
         assert [withheld(0) for _ in range(5)] == [300, 300, 300, 300, 0]
 
         # ... or out of its time to live, with nothing else seen.
-        calls_of(keeper).rules = rules(ttl=0.5)
+        keeper.calls.rules = rules(ttl=0.5)
         assert [withheld(300) for _ in range(6)][-1] == 300
         time.sleep(0.6)
         assert withheld(0) == 0
@@ -255,7 +254,7 @@ def test_a_measured_plain_offset_is_probed_at_most_once_per_interval(tokenizer: 
         probed = call(keeper, server, "large-1", large, max_tokens=512)
         assert (probed.attempts, probed.drift) == (1, 0)
         assert probed.hidden_from == "probe"
-        calls_of(keeper).rules = rules(probe_every=1.0)  # (the default: 30 s)
+        keeper.calls.rules = rules(probe_every=1.0)  # (the default: 30 s)
         started = time.monotonic()
         with pytest.raises(ck.RequestTooLarge, match="the next may go in"):  # probed a moment ago
             call(keeper, server, "large-2", [{"role": "user", "content": words(1800, 1)}], max_tokens=512)
@@ -315,8 +314,8 @@ def test_one_poisoned_replica_cannot_raise_another_replicas_offset(
         assert later.tokens + 512 > LIMIT - 200, later
         assert (later.withheld, later.attempts, later.hidden_from) == (0, 1, None), later
         if path == "facts-ledger":
-            assert calls_of(first).facts_ledger is first.ledger
-        own = calls_of(second).servers[name].facts(rules(), time.monotonic())
+            assert first.calls.facts_ledger is first.ledger
+        own = second.calls.servers[name].facts(rules(), time.monotonic())
         assert (own.hidden, own.samples) == (900, 3)  # what the poisoned replica itself shares
         combined = SharedState(url).server(name)
         assert combined is not None

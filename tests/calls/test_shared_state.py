@@ -81,7 +81,6 @@ def test_a_running_replica_takes_what_another_learned_with_its_admission(
     """Replicas with ``ledger=`` on the shared state's Redis: once a replica has read the server's facts, each later
     call gets them with its admission (no read of its own), and is not refused for what another replica learned
     meanwhile."""
-    from contextkeeper.calls.loop import calls_of
 
     assets.require_assets()
     tokenizer = str(assets.tokenizer_dir("qwen2"))
@@ -95,7 +94,7 @@ def test_a_running_replica_takes_what_another_learned_with_its_admission(
             for keeper in keepers
         )
         running.chat.completions.create(model="m", messages=chat[:3], max_tokens=64)  # short: nothing to learn
-        assert calls_of(keepers[0]).facts_ledger is keepers[0].ledger
+        assert keepers[0].calls.facts_ledger is keepers[0].ledger
         learning.chat.completions.create(model="m", messages=chat, max_tokens=64)
         assert keepers[1].last_call is not None
         assert keepers[1].last_call.attempts == 2  # refused once: it learned

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..calls.base import Reply, Request, reply_from
-from ..calls.loop import Call, call_async, call_sync, calls_of, options
+from ..calls.loop import Call, call_async, call_sync, options
 from .registry import register_wrapper
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def wrap_callable(keeper: ContextKeeper, fn: Callable[..., Any], *, server: str 
     """``fn`` with its own shape, fitted first; awaitable when ``fn`` is async."""
     backend = CallableBackend(fn, server)
     settings = options(**given)
-    calls = calls_of(keeper)
+    calls = keeper.calls
 
     def wrapped(messages: Any, **kwargs: Any) -> Any:
         return call_sync(Call(calls, backend, settings, messages, kwargs.get("tools"), kwargs))

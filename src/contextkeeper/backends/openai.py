@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..calls.base import Reply, Request, reply_from, usage_of
-from ..calls.loop import Call, cached_tokens_of, call_async, call_sync, calls_of, options
+from ..calls.loop import Call, cached_tokens_of, call_async, call_sync, options
 from ..calls.redis_client import safe_url
 from ..servers.kinds import kind_of_reply, kind_of_url
 from .registry import register_wrapper
@@ -342,7 +342,7 @@ class WrappedOpenAI:
         self._keeper = keeper
         settings = options(**given)
         backend = OpenAIBackend(client)
-        calls = calls_of(keeper)
+        calls = keeper.calls
         is_async = inspect.iscoroutinefunction(inspect.unwrap(client.chat.completions.create))
 
         def run(kwargs: dict[str, Any]) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..calls.base import Reply, Request
-from ..calls.loop import Call, call_sync, calls_of, options
+from ..calls.loop import Call, call_sync, options
 from ..diagnose.profile import cache_bytes
 from ..messages import server_view
 from ..tokens.hf import detect_content_format
@@ -92,7 +92,7 @@ def wrap_transformers(keeper: ContextKeeper, client: Any, *, tokenizer: Any = No
         raise ConfigurationError("wrapping a transformers model needs its tokenizer: keeper.wrap(model, tokenizer=tok)")
     backend = TransformersBackend(model, tokenizer, pipeline=is_pipeline)
     settings = options(**{"answer_keys": ("max_new_tokens", "max_tokens"), **given})
-    calls = calls_of(keeper)
+    calls = keeper.calls
 
     def chat(messages: Any, **kwargs: Any) -> Any:
         """Fit ``messages``, generate, and return the reply (the pipeline's shape for a pipeline)."""

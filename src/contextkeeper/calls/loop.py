@@ -54,10 +54,10 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .._exceptions import (
     ConfigurationError,
@@ -75,7 +75,7 @@ from .._exceptions import (
 )
 from ..fit.budget import Reserve
 from ..fit.report import Fit
-from ..servers.dialects import DIALECTS
+from ..servers.dialects import DIALECTS, Dialect
 from ..servers.kinds import Drift, fewer_advice, kind_of_error
 from ..tokens.media import PART_MODALITY
 from . import tracing
@@ -86,7 +86,6 @@ from .shared import ServerFacts, WrittenFacts, lower_median
 
 if TYPE_CHECKING:
     from ..fit.session import Session
-    from ..keeper import ContextKeeper
     from .ledger import Ledger, Ticket
     from .redis_ledger import RedisLedger
     from .shared import SharedState
@@ -320,12 +319,65 @@ class CallReport:
         return data
 
 
+class Keeper(Protocol):
+    """The few members of a keeper a wrapped call uses (:class:`~contextkeeper.keeper.ContextKeeper` has them)."""
+
+    @property
+    def limit(self) -> int: ...
+    @property
+    def policy(self) -> Any: ...  # its ``answer_tokens``: the answer reserved when a call names none
+    @property
+    def server(self) -> Dialect: ...  # whose preprocessing counts follow, for the drift advice
+    @property
+    def monitor(self) -> Any: ...  # a MemoryMonitor sampled after each call, or None
+
+    def fit(
+        self,
+        messages: Any,
+        *,
+        tools: Any = None,
+        max_tokens: int | None = None,
+        reserve: Reserve | None = None,
+        conversation: str | None = None,
+    ) -> Fit: ...
+
+    def session(self, conversation: str | None = None) -> Session: ...
+
+    def kv_bytes(self, tokens: int) -> tuple[int | None, float | None]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hooks:
+    """What the owner of a call hears as it goes, as httpx's event hooks: each event a tuple of callables.
+
+    ``fit``: each fit of an attempt (the keeper keeps the latest as ``last_fit``); ``attempt``: a request leaves for
+    the backend; ``back``: an attempt is over (answered, failed, or its stream ended); ``report``: the call's
+    report at its end (``last_call``). A hook must not raise: it runs inside the call."""
+
+    fit: tuple[Callable[[Fit], None], ...] = ()
+    attempt: tuple[Callable[[Request], None], ...] = ()
+    back: tuple[Callable[[], None], ...] = ()
+    report: tuple[Callable[[CallReport], None], ...] = ()
+
+    def __add__(self, other: Hooks) -> Hooks:
+        return Hooks(
+            fit=self.fit + other.fit,
+            attempt=self.attempt + other.attempt,
+            back=self.back + other.back,
+            report=self.report + other.report,
+        )
+
+
+NO_HOOKS = Hooks()
+
+
 @dataclass
 class Calls:
     """What every wrapped client of one keeper shares: the fit lock, servers learned, the ledger, the
     transcript, counters."""
 
-    keeper: ContextKeeper
+    keeper: Keeper
+    hooks: Hooks = NO_HOOKS  # the keeper's own: it records the latest fit and call
     lock: threading.RLock = field(default_factory=threading.RLock)
     servers: dict[str, ServerState] = field(default_factory=dict)
     ledger: Ledger | None = None
@@ -542,10 +594,19 @@ class Call:
     """One wrapped call across its attempts."""
 
     def __init__(
-        self, calls: Calls, backend: Backend, options: Options, messages: Any, tools: Any, params: dict[str, Any]
+        self,
+        calls: Calls,
+        backend: Backend,
+        options: Options,
+        messages: Any,
+        tools: Any,
+        params: dict[str, Any],
+        *,
+        hooks: Hooks = NO_HOOKS,
     ) -> None:
         self.calls = calls
         self.keeper = calls.keeper
+        self.hooks = calls.hooks + hooks
         self.backend = backend
         self.options = options
         self.messages = messages
@@ -629,7 +690,8 @@ class Call:
                 notes=(*report.notes, why),
             )
         fit = Fit(messages=fit.messages, tokens=fit.tokens, report=report)
-        self.keeper.last_fit = fit
+        for hook in self.hooks.fit:
+            hook(fit)
         return fit
 
     def _reserve(self, withheld: int, trusted: bool) -> Reserve:
@@ -748,7 +810,7 @@ class Call:
         self.granted = None
         if self.features and self.session is None:
             # (the session the fit uses: kept while the call runs, so what is learned lands where it was measured)
-            self.session = self.keeper._sessions.get(self.options.conversation)
+            self.session = self.keeper.session(self.options.conversation)
         withheld = self._withheld()
         try:
             fit = self._fit(withheld)
@@ -824,7 +886,7 @@ class Call:
         while not isinstance(ask, Request):
             ledger, settings = self._admission(ask)
             ask = _advance(steps, ledger.acquire(ask[0], **settings))
-        return ask
+        return self._leaving(ask)
 
     async def prepared_async(self) -> Request:
         """:meth:`prepare` with the fit on a worker thread and admission awaited on the loop: a blocked
@@ -835,7 +897,16 @@ class Call:
             ledger, settings = self._admission(ask)
             ticket = await ledger.acquire_async(ask[0], **settings)
             ask = await asyncio.to_thread(_advance, steps, ticket)
-        return ask
+        return self._leaving(ask)
+
+    def _leaving(self, request: Request) -> Request:
+        for hook in self.hooks.attempt:
+            hook(request)
+        return request
+
+    def _back(self) -> None:
+        for hook in self.hooks.back:
+            hook()
 
     def _admission(self, ask: tuple[int, int]) -> tuple[Ledger, dict[str, Any]]:
         """The ledger to ask for ``ask`` (tokens, minimum), and how: through a facts ledger, the server's shared
@@ -868,6 +939,7 @@ class Call:
     def failed(self, exc: BaseException) -> None:
         """Learn from the failure and raise what the retry loop acts on: a ProviderError to retry, or the
         caller's own exception unchanged."""
+        self._back()
         self._release()
         failure = classify(exc)
         if self.trace is not None:
@@ -956,6 +1028,7 @@ class Call:
     def finish(self, reply: Reply) -> BaseException | None:
         """The call's end (for a stream: when it was consumed, closed, collected or broke): learn, report,
         record. Returns the error to raise for a reply that failed (a stream that broke after its first chunk)."""
+        self._back()
         self._release()
         if reply.server_kind is not None:
             self.server.kind = reply.server_kind
@@ -993,11 +1066,10 @@ class Call:
         if self.recoveries:
             with self.calls.lock:
                 self.server.recoveries += 1
-        report = self._report(reply, drift)
-        self.keeper.last_call = report
+        report = self._reported(reply, drift)
         self._record(reply, None)
         self._log(fit, report)
-        monitor = getattr(self.keeper, "monitor", None)
+        monitor = self.keeper.monitor
         if monitor is not None:
             monitor.request_done(label=f"call {self.calls.calls}")
         return None
@@ -1046,7 +1118,7 @@ class Call:
 
     def _dialect_advice(self) -> str:
         """The likeliest cause when the server is one whose preprocessing the keeper does not follow."""
-        kind, dialect = self.server.kind, getattr(self.keeper, "server", None)
+        kind, dialect = self.server.kind, self.keeper.server
         if kind is None or dialect is None or kind not in DIALECTS or kind == dialect.name:
             return ""
         return (
@@ -1075,7 +1147,7 @@ class Call:
                     attempts=self.attempts,
                     cause=cause,
                 )
-        self.keeper.last_call = self._report(reply, None, error)
+        self._reported(reply, None, error)
         self._record(reply, error)
         return error if isinstance(error, BaseException) else None
 
@@ -1112,11 +1184,19 @@ class Call:
             self.trace.end(report, reply)
         return report
 
+    def _reported(self, reply: Reply | None, drift: int | None, error: BaseException | str | None = None) -> CallReport:
+        """The call's report, handed to the ``report`` hooks."""
+        report = self._report(reply, drift, error)
+        for hook in self.hooks.report:
+            hook(report)
+        return report
+
     def error(self, exc: BaseException) -> None:
         """The call failed for good (a fit that cannot fit included): record it and free its admission."""
+        self._back()
         self._release()
         try:
-            self.keeper.last_call = self._report(None, None, exc)
+            self._reported(None, None, exc)
         finally:
             self._record(None, exc)
 
@@ -1283,18 +1363,3 @@ async def call_async(call: Call) -> Any:
         call.error(exc)
         raise
     raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
-
-
-_FIRST_USE = threading.Lock()
-
-
-def calls_of(keeper: ContextKeeper) -> Calls:
-    """The shared call state of ``keeper``, made once on first use (threads that wrap at the same moment get the
-    same state)."""
-    state: Calls | None = getattr(keeper, "_calls", None)
-    if state is None:
-        with _FIRST_USE:
-            state = getattr(keeper, "_calls", None)
-            if state is None:
-                state = keeper._make_calls()
-    return state

@@ -41,7 +41,7 @@ from starlette.routing import Route as HTTPRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._exceptions import ConfigurationError, RequestRejected
-from ..calls.loop import Call, CallReport, Options, call_async, calls_of
+from ..calls.loop import Call, CallReport, Hooks, Options, call_async
 from ..calls.redis_client import safe_url
 from .access import UNFITTED, Access, Caller, Forwarding, loopback_host
 from .config import ProxyConfig, Route, build_routes
@@ -55,8 +55,6 @@ if TYPE_CHECKING:
     import openai
 
     from ..backends.openai import OpenAIBackend
-    from ..calls.base import Reply
-    from ..calls.base import Request as Sent
     from ..fit.report import Fit
     from ..strategies.base import Action
     from .metrics import ProxyMetrics
@@ -104,50 +102,44 @@ class _Seen:
 _UPSTREAM: contextvars.ContextVar[_Seen | None] = contextvars.ContextVar("contextkeeper_proxy_seen", default=None)
 
 
-class _ProxyCall(Call):
-    """A wrapped call that keeps its own report (``keeper.last_call`` is whichever call ended last), and times
-    its fits and its time upstream for the metrics."""
+class _Timing:
+    """What the proxy hears of one chat request's call through its hooks: its fits' time, its time upstream
+    (attempt by attempt) and its report (``keeper.last_call`` is whichever call of the keeper ended last)."""
 
-    report: CallReport | None = None
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self) -> None:
         self.fit_seconds: list[float] = []
         self.upstream_seconds: float | None = None
+        self.report: CallReport | None = None
         self._sent: float | None = None
 
-    def _fit(self, withheld: int, trusted: bool = False) -> Fit:
-        fit = super()._fit(withheld, trusted)
-        self.fit_seconds.append(fit.report.seconds)
-        return fit
+    def hooks(self) -> Hooks:
+        return Hooks(fit=(self._fitted,), attempt=(self._leaving,), back=(self._back,), report=(self._reported,))
 
-    async def prepared_async(self) -> Sent:
-        request = await super().prepared_async()
+    def _fitted(self, fit: Fit) -> None:
+        self.fit_seconds.append(fit.report.seconds)
+
+    def _leaving(self, request: Any) -> None:
         self._sent = time.perf_counter()
-        return request
 
     def _back(self) -> None:
-        """An attempt is over (answered, failed, or its stream ended): add its time upstream."""
         if self._sent is not None:
             self.upstream_seconds = (self.upstream_seconds or 0.0) + time.perf_counter() - self._sent
             self._sent = None
 
-    def failed(self, exc: BaseException) -> None:
-        self._back()
-        super().failed(exc)
-
-    def finish(self, reply: Reply) -> BaseException | None:
-        self._back()
-        return super().finish(reply)
-
-    def error(self, exc: BaseException) -> None:
-        self._back()
-        super().error(exc)
-
-    def _report(self, reply: Reply | None, drift: int | None, error: BaseException | str | None = None) -> CallReport:
-        report = super()._report(reply, drift, error)
+    def _reported(self, report: CallReport) -> None:
         self.report = report
-        return report
+
+
+@dataclass(frozen=True)
+class _Chat:
+    """One chat request on its way: whose, for which model and route, and its call with what was heard of it."""
+
+    identity: Identity
+    model: Any
+    route: Route
+    stream: bool
+    call: Call
+    timing: _Timing
 
 
 class _Relay(StreamingResponse):
@@ -559,7 +551,7 @@ class Proxy:
         started = time.perf_counter()
         caller = self._caller(request)
         if isinstance(caller, Response):
-            self._done(None, None, None, False, caller.status_code, None, None, "invalid_api_key", started)
+            self._done(None, caller.status_code, "invalid_api_key", started)
             return caller
         try:
             if not _json_type(request.headers.get("content-type")):
@@ -590,47 +582,50 @@ class Proxy:
             )
             return self._refuse(started, rejected, caller)
         stream = body.get("stream") is True
-        call = _ProxyCall(
-            calls_of(route.keeper),
+        timing = _Timing()
+        call = Call(
+            route.keeper.calls,
             self._sender(),
             dataclasses.replace(self.options, conversation=identity.key),
             body["messages"],
             body.get("tools"),
             self._params(body, request),
+            hooks=timing.hooks(),
         )
+        chat = _Chat(identity, model, route, stream, call, timing)
         seen = _Seen()
         token = _UPSTREAM.set(seen)
         try:
             result = await self._unless_gone(request, call)
         except _Gone:
             error = "client_gone: the client left before the answer; the call was cancelled and its KV room freed"
-            self._done(identity, model, route, stream, 499, call.fit, call.report, error, started, timed=call)
+            self._done(chat, 499, error, started)
             return Response(status_code=499)
         except BaseException as exc:
             if not isinstance(exc, Exception):  # cancelled: the server is shutting down
-                self._done(identity, model, route, stream, 499, call.fit, call.report, "cancelled", started, timed=call)
+                self._done(chat, 499, "cancelled", started)
                 raise
             reply = error_reply(exc)
             error = f"{reply.code}: {' '.join(str(exc).split())[:300]}"
-            self._done(identity, model, route, stream, reply.status, call.fit, call.report, error, started, timed=call)
-            headers = {**reply.headers, **self._headers(call, identity, ())}
+            self._done(chat, reply.status, error, started)
+            headers = {**reply.headers, **self._headers(chat, ())}
             return Response(reply.body, status_code=reply.status, headers=headers, media_type="application/json")
         finally:
             _UPSTREAM.reset(token)
-        headers = self._headers(call, identity, seen.headers)
+        headers = self._headers(chat, seen.headers)
         if stream:
             return _Relay(
-                self._events(result, call, identity, model, route, started),
+                self._events(result, chat, started),
                 close=_nothing,  # the events' own end closes the stream
                 headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
                 media_type="text/event-stream",
             )
         data = _json(_dump(result))
-        self._done(identity, model, route, False, 200, call.fit, call.report, None, started, timed=call)
+        self._done(chat, 200, None, started)
         return Response(data, headers=headers, media_type="application/json")
 
     @staticmethod
-    async def _unless_gone(request: Request, call: _ProxyCall) -> Any:
+    async def _unless_gone(request: Request, call: Call) -> Any:
         """The call's result, or :class:`_Gone` as soon as its client disconnects (the call is cancelled: a
         queued admission leaves the queue, a held one gives its tokens back, a request upstream is aborted)."""
         work = asyncio.ensure_future(call_async(call))
@@ -676,29 +671,29 @@ class Proxy:
         params["extra_headers"] = headers
         return params
 
-    def _headers(self, call: _ProxyCall, identity: Identity, upstream: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    def _headers(self, chat: _Chat, upstream: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
         """The upstream's answer headers (those that still apply) and what the keeper did."""
         headers: dict[str, str] = {}
         for raw_key, raw_value in upstream:
             key = raw_key.decode("latin-1").lower()
             if key not in HOP_BY_HOP and key not in _ANSWER_SETS:
                 headers[key] = raw_value.decode("latin-1")
-        fit = call.fit
+        fit = chat.call.fit
         if fit is not None:
             report = fit.report
             headers["x-contextkeeper-prompt-tokens"] = str(fit.tokens)
             headers["x-contextkeeper-messages-dropped"] = str(max(0, report.messages_before - report.messages_after))
             headers["x-contextkeeper-actions"] = _actions(report.actions)
-        headers["x-contextkeeper-conversation"] = identity.header_value
-        if call.fit_seconds:  # the fits' time, the standard way (devtools and load tools read it); the upstream's kept
-            timing = f"fit;dur={sum(call.fit_seconds) * 1000:.3f}"
+        headers["x-contextkeeper-conversation"] = chat.identity.header_value
+        if (
+            chat.timing.fit_seconds
+        ):  # the fits' time, the standard way (devtools and load tools read it); the upstream's kept
+            timing = f"fit;dur={sum(chat.timing.fit_seconds) * 1000:.3f}"
             given = headers.get("server-timing")
             headers["server-timing"] = f"{given}, {timing}" if given else timing
         return headers
 
-    async def _events(
-        self, stream: Any, call: _ProxyCall, identity: Identity, model: Any, route: Route, started: float
-    ) -> AsyncIterator[bytes]:
+    async def _events(self, stream: Any, chat: _Chat, started: float) -> AsyncIterator[bytes]:
         """The stream as server-sent events, chunk by chunk; a stream that breaks ends with an error event."""
         chunks = 0
         error: str | None = None
@@ -719,49 +714,36 @@ class Proxy:
                 error = f"client_gone: the client left after {chunks} chunk(s), before the end of the stream"
             with anyio.CancelScope(shield=True):
                 await stream.close()  # the call ends, and gives its admission back
-            self._done(identity, model, route, True, 200, call.fit, call.report, error, started, chunks, timed=call)
+            self._done(chat, 200, error, started, chunks)
 
     def _refuse(self, started: float, exc: RequestRejected, caller: Caller | None = None) -> Response:
         """A request refused before the keeper saw it: nothing of it is kept but the refusal."""
-        self._done(None, None, None, False, exc.status, None, None, f"{exc.code}: {exc}"[:500], started)
+        self._done(None, exc.status, f"{exc.code}: {exc}"[:500], started)
         return Response(
             error_body(str(exc), type="invalid_request_error", code=exc.code, param=exc.param),
             status_code=exc.status,
             media_type="application/json",
         )
 
-    def _done(
-        self,
-        identity: Identity | None,
-        model: Any,
-        route: Route | None,
-        stream: bool,
-        status: int,
-        fit: Any,
-        call: CallReport | None,
-        error: str | None,
-        started: float,
-        chunks: int = 0,
-        *,
-        timed: _ProxyCall | None = None,
-    ) -> None:
+    def _done(self, chat: _Chat | None, status: int, error: str | None, started: float, chunks: int = 0) -> None:
         """The one place an exchange is observed (debug store, and metrics and traces when they register)."""
+        identity = chat.identity if chat is not None else None
         exchange = Exchange(
             conversation=identity.id if identity is not None else None,
             conversation_source=identity.source if identity is not None else None,
             tenant=identity.tenant if identity is not None else None,
-            model=model if isinstance(model, str) else None,
-            route=route.name if route is not None else None,
-            stream=stream,
+            model=chat.model if chat is not None and isinstance(chat.model, str) else None,
+            route=chat.route.name if chat is not None else None,
+            stream=chat.stream if chat is not None else False,
             status=status,
-            fit=fit,
-            call=call,
+            fit=chat.call.fit if chat is not None else None,
+            call=chat.timing.report if chat is not None else None,
             error=error,
             seconds=time.perf_counter() - started,
             chunks=chunks,
-            fit_seconds=tuple(timed.fit_seconds) if timed is not None else (),
-            upstream_seconds=timed.upstream_seconds if timed is not None else None,
-            sent=timed.sent if timed is not None else 0,
+            fit_seconds=tuple(chat.timing.fit_seconds) if chat is not None else (),
+            upstream_seconds=chat.timing.upstream_seconds if chat is not None else None,
+            sent=chat.call.sent if chat is not None else 0,
         )
         for observer in self.observers:
             try:
