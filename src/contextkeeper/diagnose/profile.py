@@ -21,12 +21,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._exceptions import ConfigurationError, ModelConfigError
 from ..memory.limits import check_fields
 from ..memory.render import human, needs_matplotlib
 from .monitor import rss_bytes
+
+if TYPE_CHECKING:  # (the memory model is imported where it is used)
+    from ..memory import ModelSpec
 
 __all__ = [
     "METERS",
@@ -600,39 +603,112 @@ def _param_bytes(model: Any) -> int:
     return sum(storages.values())
 
 
-def profile(
-    model: Any,
-    *,
-    settings: ProfileSettings | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    random_weights: bool = False,
-    attn_implementation: str | None = None,
-    progress: Progress | None = None,
-    **setting_fields: Any,
-) -> ProfileReport:
-    """Run the test sequence on ``model`` (anything :func:`load_model` takes, or a :class:`LoadedModel`).
+# The test sequence as steps: the baseline after load, then one measured step per prompt length, per generation
+# length and per batch, each a _Step of a _Phase. ``profile`` prepares the bench and runs them in order.
 
-    ``setting_fields`` override :class:`ProfileSettings` fields (``lengths=(...)``, ``batches=(...)``...)."""
-    import torch
-    import transformers
 
-    from ..memory import ModelSpec, kv_report
+def _prefill(model: Any, ids: Any, step: _Step) -> tuple[Any, int]:
+    return _forward(model, ids), step.prompt
 
-    options = dataclasses.replace(settings or ProfileSettings(), **setting_fields)
-    loaded = (
-        model
-        if isinstance(model, LoadedModel)
-        else load_model(
-            model,
-            device=device,
-            dtype=dtype,
-            random_weights=random_weights,
-            attn_implementation=attn_implementation,
-            seed=options.seed,
+
+def _decode(model: Any, ids: Any, step: _Step) -> tuple[Any, int]:
+    return _generate(model, ids, step.new)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Phase:
+    """A kind of step: what it runs (the cache it returns and the tokens that cache holds) and the runtime
+    phase that predicts it (``plan``: a prefill keeps the whole prompt; ``steady``: decoding keeps windows)."""
+
+    name: str  # prompt | generate | concurrency
+    run: Callable[[Any, Any, _Step], tuple[Any, int]]
+    kv_phase: str
+
+
+_PROMPT = _Phase(name="prompt", run=_prefill, kv_phase="plan")
+_GENERATE = _Phase(name="generate", run=_decode, kv_phase="steady")
+_CONCURRENCY = _Phase(name="concurrency", run=_prefill, kv_phase="plan")
+_PHASES = (_PROMPT, _GENERATE, _CONCURRENCY)  # in the sequence's order
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Bench:
+    """What every step uses: the loaded model, its memory model, the meter and the prompts' generator."""
+
+    loaded: LoadedModel
+    spec: ModelSpec
+    device_type: str
+    meter: Meter
+    generator: Any  # torch.Generator, seeded: the same prompts on every run
+
+    def ids(self, batch: int, tokens: int) -> Any:
+        import torch
+
+        # token 0 is left out: it often is the pad token
+        vocab = int(self.spec.vocab_size or 2)
+        return torch.randint(1, vocab, (batch, tokens), generator=self.generator).to(self.loaded.device)
+
+    def predict(self, tokens: int, batch: int, phase: str) -> int:
+        from ..memory import kv_report
+
+        report = kv_report(self.spec, tokens, batch, runtime="transformers", kv_dtype=self.loaded.dtype, phase=phase)
+        return int(report.bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Step:
+    """One measured step: ``batch`` prompts of ``prompt`` tokens, then ``new`` generated tokens."""
+
+    phase: _Phase
+    batch: int
+    prompt: int
+    new: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.phase.name} {self.batch} × {self.prompt}" + (f" + {self.new}" if self.new else "")
+
+    def measure(self, bench: _Bench) -> ProfileRow:
+        """Run the step between the meter's start and stop; the cache and the prompt go when this returns."""
+        ids = bench.ids(self.batch, self.prompt)
+        bench.meter.start()
+        started = time.perf_counter()
+        cache, cached = self.phase.run(bench.loaded.model, ids, self)
+        seconds = time.perf_counter() - started
+        peak, reserved, retained = bench.meter.stop()
+        return ProfileRow(
+            phase=self.phase.name,
+            batch=self.batch,
+            prompt_tokens=self.prompt,
+            new_tokens=self.new,
+            tokens=cached,
+            cache_bytes=cache_bytes(cache),
+            predicted_bytes=bench.predict(cached, self.batch, self.phase.kv_phase),
+            peak_bytes=peak,
+            retained_bytes=retained,
+            reserved_peak=reserved,
+            seconds=round(seconds, 4),
         )
+
+
+def _sequence(options: ProfileSettings) -> tuple[_Step, ...]:
+    """The measured steps in order: prompts of growing length, generation lengths, concurrency."""
+    gen_prompt = options.generate_prompt or options.lengths[0]
+    batch_tokens = options.batch_tokens or options.lengths[0]
+    return (
+        *(_Step(phase=_PROMPT, batch=1, prompt=n) for n in options.lengths),
+        *(_Step(phase=_GENERATE, batch=1, prompt=gen_prompt, new=n) for n in options.new_tokens),
+        *(_Step(phase=_CONCURRENCY, batch=b, prompt=batch_tokens) for b in options.batches),
     )
-    net = loaded.model
+
+
+def _prepare(loaded: LoadedModel, options: ProfileSettings) -> _Bench:
+    """The bench for ``loaded``: a meter for its device and its memory model, refusing a sequence longer than
+    the model accepts before any step runs."""
+    import torch
+
+    from ..memory import ModelSpec
+
     device_type = torch.device(loaded.device).type
     if device_type not in METERS:
         raise ConfigurationError(f"profile measures cuda and cpu devices, not {loaded.device!r}")
@@ -647,118 +723,142 @@ def profile(
             f"{loaded.name} accepts at most {limit:,} tokens; the sequence asks for {longest:,}: "
             "lower --lengths / --new-tokens"
         )
-    vocab = int(spec.vocab_size or 2)
     generator = torch.Generator().manual_seed(options.seed)
+    return _Bench(loaded=loaded, spec=spec, device_type=device_type, meter=meter, generator=generator)
 
-    def ids(batch: int, tokens: int) -> Any:
-        # token 0 is left out: it often is the pad token
-        return torch.randint(1, vocab, (batch, tokens), generator=generator).to(loaded.device)
 
-    def predict(tokens: int, batch: int, phase: str) -> int:
-        return int(kv_report(spec, tokens, batch, runtime="transformers", kv_dtype=loaded.dtype, phase=phase).bytes)
-
-    gen_prompt = options.generate_prompt or options.lengths[0]
-    batch_tokens = options.batch_tokens or options.lengths[0]
-    plan_steps: list[tuple[str, int, int, int]] = [("prompt", 1, n, 0) for n in options.lengths]
-    plan_steps += [("generate", 1, gen_prompt, n) for n in options.new_tokens]
-    plan_steps += [("concurrency", b, batch_tokens, 0) for b in options.batches]
-    total = len(plan_steps) + 1
-
-    if progress:
-        progress(0, total, "warm-up and baseline")
-    _forward(net, ids(1, 8))  # first call initialises lazy state (kernels, thread pools) outside the steps
+def _baseline(bench: _Bench, progress: Progress, total: int) -> tuple[int | None, int | None]:
+    """The memory held after load: (allocated or resident, reserved)."""
+    progress(0, total, "warm-up and baseline")
+    _forward(bench.loaded.model, bench.ids(1, 8))  # first call initialises lazy state (kernels, thread pools)
     gc.collect()
-    baseline, baseline_reserved = meter.baseline()
-    if progress:
-        progress(1, total, "baseline")
+    baseline = bench.meter.baseline()
+    progress(1, total, "baseline")
+    return baseline
 
-    rows: list[ProfileRow] = []
-    for i, (phase, batch, prompt, new) in enumerate(plan_steps, start=2):
-        x = ids(batch, prompt)
-        meter.start()
-        started = time.perf_counter()
-        if phase == "generate":
-            cache, cached = _generate(net, x, new)
-        else:
-            cache, cached = _forward(net, x), prompt
-        seconds = time.perf_counter() - started
-        peak, reserved, retained = meter.stop()
-        measured = cache_bytes(cache)
-        rows.append(
-            ProfileRow(
-                phase=phase,
-                batch=batch,
-                prompt_tokens=prompt,
-                new_tokens=new,
-                tokens=cached,
-                cache_bytes=measured,
-                predicted_bytes=predict(cached, batch, "steady" if phase == "generate" else "plan"),
-                peak_bytes=peak,
-                retained_bytes=retained,
-                reserved_peak=reserved,
-                seconds=round(seconds, 4),
-            )
-        )
-        del cache, x
-        if progress:
-            progress(i, total, f"{phase} {batch} × {prompt}" + (f" + {new}" if new else ""))
 
-    prompt_rows = [r for r in rows if r.phase == "prompt"]
-    slope: float | None = None
-    intercept: float | None = None
-    if len({r.tokens for r in prompt_rows}) > 1:  # one length has no slope: reported as measured, not as 0
-        slope, intercept = fit_slope([r.tokens for r in prompt_rows], [r.cache_bytes for r in prompt_rows])
-    peaks = [r for r in prompt_rows if r.peak_bytes is not None]
-    distinct_peaks = len({r.tokens for r in peaks}) > 1
-    peak_slope = fit_slope([r.tokens for r in peaks], [r.peak_bytes or 0 for r in peaks])[0] if distinct_peaks else None
-    per_token = kv_report(spec, max(options.lengths), 1, runtime="transformers", kv_dtype=loaded.dtype)
+def _silent(done: int, total: int, label: str) -> None:
+    """No progress shown."""
+
+
+def _kv_fit(rows: Sequence[ProfileRow]) -> tuple[float | None, float | None]:
+    """(slope, intercept) of the prompt steps' cache bytes over tokens; one length has no slope: reported as
+    measured, not as 0."""
+    prompts = [r for r in rows if r.phase == _PROMPT.name]
+    if len({r.tokens for r in prompts}) < 2:
+        return None, None
+    return fit_slope([r.tokens for r in prompts], [r.cache_bytes for r in prompts])
+
+
+def _peak_fit(rows: Sequence[ProfileRow]) -> float | None:
+    """The prompt steps' peak bytes per token (KV + activations); None without two measured lengths."""
+    peaks = [r for r in rows if r.phase == _PROMPT.name and r.peak_bytes is not None]
+    if len({r.tokens for r in peaks}) < 2:
+        return None
+    return fit_slope([r.tokens for r in peaks], [r.peak_bytes or 0 for r in peaks])[0]
+
+
+def _jumps(rows: Sequence[ProfileRow], options: ProfileSettings) -> list[Jump]:
     jumps: list[Jump] = []
-    for phase in ("prompt", "generate", "concurrency"):
+    for phase in _PHASES:
         series = [
-            (f"{r.batch}×{r.tokens}", float(r.batch * r.tokens), r.peak_bytes)
+            (f"{r.batch}×{r.tokens}", float(r.batch * r.tokens), int(r.peak_bytes or 0))
             for r in rows
-            if r.phase == phase and r.peak_bytes is not None
+            if r.phase == phase.name and r.peak_bytes is not None
         ]
-        jumps += find_jumps(
-            phase,
-            [(label, size, int(peak or 0)) for label, size, peak in series],
-            factor=options.jump_factor,
-            floor=options.jump_floor,
-        )
+        jumps += find_jumps(phase.name, series, factor=options.jump_factor, floor=options.jump_floor)
+    return jumps
+
+
+def _notes(bench: _Bench, kv_notes: Sequence[str]) -> tuple[str, ...]:
     notes: list[str] = []
-    if loaded.random_weights:
+    if bench.loaded.random_weights:
         notes.append("random weights built from the config: the same shapes and dtype, so the same memory")
-    if device_type == "cpu":
+    if bench.device_type == "cpu":
         notes.append(
             "CPU: peaks are the resident set's high-water mark above each step's start (approximate: the C "
             "allocator may reuse freed memory); cache bytes are the cache tensors' own storage (exact)"
         )
-    notes += list(per_token.notes)
-    name = torch.cuda.get_device_name(loaded.device) if device_type == "cuda" else platform.processor() or "CPU"
+    return (*notes, *kv_notes)
+
+
+def _report(
+    bench: _Bench, options: ProfileSettings, baseline: tuple[int | None, int | None], rows: Sequence[ProfileRow]
+) -> ProfileReport:
+    """The measurements with the KV slope against the prediction, the jumps and where they were taken."""
+    import torch
+    import transformers
+
+    from ..memory import kv_report
+
+    loaded, net = bench.loaded, bench.loaded.model
+    slope, intercept = _kv_fit(rows)
+    per_token = kv_report(bench.spec, max(options.lengths), 1, runtime="transformers", kv_dtype=loaded.dtype)
+    cuda = bench.device_type == "cuda"
+    name = torch.cuda.get_device_name(loaded.device) if cuda else platform.processor() or "CPU"
     return ProfileReport(
         model=loaded.name,
         origin=loaded.origin,
         random_weights=loaded.random_weights,
-        device=device_type,
+        device=bench.device_type,
         device_name=name or "CPU",
         dtype=loaded.dtype,
         attn_implementation=str(getattr(net.config, "_attn_implementation", None) or "default"),
         weights_bytes=_param_bytes(net),
-        baseline_bytes=baseline,
-        baseline_reserved=baseline_reserved,
+        baseline_bytes=baseline[0],
+        baseline_reserved=baseline[1],
         rows=tuple(rows),
         slope=slope,
         intercept=intercept,
         predicted_per_token=per_token.bytes_per_token,
-        peak_per_token=peak_slope,
-        jumps=tuple(jumps),
+        peak_per_token=_peak_fit(rows),
+        jumps=tuple(_jumps(rows, options)),
         versions={
             "torch": str(torch.__version__),
             "transformers": str(transformers.__version__),
             "python": platform.python_version(),
         },
-        notes=tuple(notes),
+        notes=_notes(bench, per_token.notes),
     )
+
+
+def profile(
+    model: Any,
+    *,
+    settings: ProfileSettings | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    random_weights: bool = False,
+    attn_implementation: str | None = None,
+    progress: Progress | None = None,
+    **setting_fields: Any,
+) -> ProfileReport:
+    """Run the test sequence on ``model`` (anything :func:`load_model` takes, or a :class:`LoadedModel`).
+
+    ``setting_fields`` override :class:`ProfileSettings` fields (``lengths=(...)``, ``batches=(...)``...)."""
+    options = dataclasses.replace(settings or ProfileSettings(), **setting_fields)
+    loaded = (
+        model
+        if isinstance(model, LoadedModel)
+        else load_model(
+            model,
+            device=device,
+            dtype=dtype,
+            random_weights=random_weights,
+            attn_implementation=attn_implementation,
+            seed=options.seed,
+        )
+    )
+    bench = _prepare(loaded, options)
+    steps = _sequence(options)
+    tell = progress or _silent
+    total = len(steps) + 1  # the baseline, then each measured step
+    baseline = _baseline(bench, tell, total)
+    rows: list[ProfileRow] = []
+    for done, step in enumerate(steps, start=2):
+        rows.append(step.measure(bench))
+        tell(done, total, step.label)
+    return _report(bench, options, baseline, rows)
 
 
 # ---------------------------------------------------------------------------------------------- plot

@@ -4,29 +4,30 @@ The count covers embeddings and the LM head (tied or not), attention (GQA, MLA w
 Gated DeltaNet, Mamba), dense MLPs (gated or not), and MoE layers (routed experts, shared experts, router,
 dense first layers). Quantised weights apply to the linear layers of the decoder (where AWQ, GPTQ, fp8 and
 GGUF quantise); embeddings, norms and the router stay in 16 bits.
+
+A count is the Llama layout unless the model's family says otherwise: each family's departures (ungated MLPs,
+LayerNorm, biases, extra norms) are a :class:`Family` in ``FAMILIES``, keyed by ``model_type``, and each layer
+kind picks its attention or mixer from ``_MIXERS``.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .._exceptions import ModelConfigError
 from .config import first
 from .dtypes import DType, dtype
-from .layers import MLAttention, RecurrentState
+from .layers import LayerSpec, MLAttention, RecurrentState
 from .model import ModelSpec
 
-__all__ = ["ParamCount", "WeightsReport", "param_count", "weights_report"]
+__all__ = ["FAMILIES", "Family", "ParamCount", "WeightsReport", "param_count", "weights_report"]
 
 _MAX_HEADER = 100_000_000
-
-# Families whose MLP is up -> activation -> down (two matrices), not gated (three).
-_UNGATED = frozenset({"gpt2", "falcon", "gpt_neox", "mpt", "phi", "gpt_bigcode", "opt", "bloom", "starcoder2"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +43,151 @@ class ParamCount:
     @property
     def total(self) -> int:
         return self.embedding + self.linear + self.other
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Sizes:
+    """The sizes a count reads from the config, after the family's adjustments."""
+
+    hidden: int
+    heads: int
+    inter: int  # a dense MLP
+    moe_inter: int  # one routed expert
+    shared_inter: int  # the shared experts together (0: none)
+    experts: int  # routed experts per MoE layer
+    top_k: int  # routed experts per token
+    q_rank: int  # MLA's low-rank query (0: a full q projection)
+    norm: int  # parameters of one norm
+    norms: int  # norms per decoder layer
+    qkv_bias: bool
+    qk_norm: bool
+
+
+def _no_extra(sizes: _Sizes) -> int:
+    return 0
+
+
+def _no_attention_extra(sizes: _Sizes, head_dim: int, kv_heads: int) -> int:
+    return 0
+
+
+def _same(config: Mapping[str, Any], sizes: _Sizes) -> _Sizes:
+    return sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """How a model family departs from the Llama layout (gated MLP, RMSNorm, no biases, an untied LM head).
+
+    The hooks return extra parameters in ``other`` (biases, sinks); ``sizes`` adjusts the config's sizes where
+    the family reads them differently."""
+
+    gated: bool = True  # gate, up, down; False: up -> activation -> down
+    layer_norm: bool = False  # LayerNorm (weight and bias), not RMSNorm (weight)
+    norms: int = 2  # per decoder layer
+    tied: bool = False  # the LM head is the input embedding when the config does not say
+    positions: bool = False  # learned position embeddings (n_positions × hidden)
+    qkv_bias: bool = False  # whatever the config's attention_bias says
+    qk_norm: bool = False  # whatever the config's qk_norm says
+    gated_output: bool = False  # q_proj doubled: half of it gates the attention output
+    shared_gate: bool = False  # a sigmoid gate on the shared expert
+    mixer_mlp: bool = True  # recurrent mixer layers have an MLP too
+    ssm_norms: bool = False  # RMS norms on the SSM's dt, B and C
+    attention_extra: Callable[[_Sizes, int, int], int] = _no_attention_extra  # (sizes, head_dim, kv_heads)
+    mlp_extra: Callable[[_Sizes], int] = _no_extra  # per dense MLP
+    moe_extra: Callable[[_Sizes], int] = _no_extra  # per MoE layer
+    sizes: Callable[[Mapping[str, Any], _Sizes], _Sizes] = _same
+
+
+def _gpt2_attention(sizes: _Sizes, head_dim: int, kv_heads: int) -> int:
+    return 4 * sizes.hidden  # c_attn and c_proj biases
+
+
+def _gpt2_mlp(sizes: _Sizes) -> int:
+    return sizes.inter + sizes.hidden  # c_fc and c_proj biases
+
+
+def _gpt_oss_attention(sizes: _Sizes, head_dim: int, kv_heads: int) -> int:
+    return head_dim * (sizes.heads + 2 * kv_heads) + sizes.hidden + sizes.heads  # q, k, v, o biases; sinks
+
+
+def _gpt_oss_experts(sizes: _Sizes) -> int:
+    return sizes.experts * (2 * sizes.moe_inter + sizes.hidden) + sizes.experts  # expert and router biases
+
+
+def _falcon(config: Mapping[str, Any], sizes: _Sizes) -> _Sizes:
+    # Falcon-7B's parallel block has one norm; the new decoder architecture (40B, 180B) has two.
+    return sizes if config.get("new_decoder_architecture") else replace(sizes, norms=1)
+
+
+def _llama4(config: Mapping[str, Any], sizes: _Sizes) -> _Sizes:
+    # One shared expert of intermediate_size; the dense layers use intermediate_size_mlp.
+    return replace(sizes, shared_inter=sizes.inter, inter=first(config, "intermediate_size_mlp") or sizes.inter)
+
+
+_LLAMA = Family()
+_LAYER_NORM_MLP = Family(gated=False, layer_norm=True)  # up -> activation -> down, LayerNorm with a bias
+_QK_NORM = Family(qk_norm=True)
+_GEMMA = Family(norms=4)  # a norm before and after both blocks
+_LLAMA4 = Family(sizes=_llama4)
+
+# model_type -> how its parameters depart from the Llama layout; unlisted families count as Llama.
+FAMILIES: dict[str, Family] = {
+    "gpt2": replace(_LAYER_NORM_MLP, tied=True, positions=True, attention_extra=_gpt2_attention, mlp_extra=_gpt2_mlp),
+    "falcon": replace(_LAYER_NORM_MLP, sizes=_falcon),
+    **dict.fromkeys(("gpt_neox", "mpt", "phi", "gpt_bigcode", "opt", "bloom", "starcoder2"), _LAYER_NORM_MLP),
+    "qwen2": Family(qkv_bias=True),
+    "qwen2_moe": Family(qkv_bias=True, shared_gate=True),
+    **dict.fromkeys(("qwen3", "qwen3_moe", "olmo2"), _QK_NORM),
+    "qwen3_next": Family(qk_norm=True, gated_output=True, shared_gate=True),
+    "gemma2": _GEMMA,
+    **dict.fromkeys(("gemma3", "gemma3_text"), replace(_GEMMA, qk_norm=True)),
+    "llama4": _LLAMA4,
+    "llama4_text": _LLAMA4,
+    "gpt_oss": Family(attention_extra=_gpt_oss_attention, moe_extra=_gpt_oss_experts),
+    "mamba": Family(mixer_mlp=False),
+    "jamba": Family(ssm_norms=True),
+}
+
+
+def _sizes(model: ModelSpec, family: Family) -> _Sizes:
+    c = model.config
+    hidden = model.hidden_size
+    inter = first(c, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden
+    moe_inter = first(c, "moe_intermediate_size", "expert_intermediate_size") or inter
+    sizes = _Sizes(
+        hidden=hidden,
+        heads=model.num_attention_heads,
+        inter=inter,
+        moe_inter=moe_inter,
+        shared_inter=first(c, "shared_expert_intermediate_size") or (first(c, "n_shared_experts") or 0) * moe_inter,
+        experts=first(c, "n_routed_experts", "num_local_experts", "num_experts") or 0,
+        top_k=first(c, "num_experts_per_tok", "num_experts_per_token") or 0,
+        q_rank=first(c, "q_lora_rank") or 0,
+        norm=2 * hidden if family.layer_norm else hidden,
+        norms=family.norms,
+        qkv_bias=bool(c.get("attention_bias")) or family.qkv_bias,
+        qk_norm=bool(c.get("qk_norm")) or family.qk_norm,
+    )
+    return family.sizes(c, sizes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Part:
+    """Parameters of one block: ``active`` is the part of ``linear`` used per token."""
+
+    linear: int = 0
+    other: int = 0
+    experts: int = 0
+    active: int = 0
+
+    def __add__(self, more: _Part) -> _Part:
+        return _Part(
+            linear=self.linear + more.linear,
+            other=self.other + more.other,
+            experts=self.experts + more.experts,
+            active=self.active + more.active,
+        )
 
 
 def _mlp(hidden: int, inter: int, gated: bool) -> int:
@@ -63,88 +209,90 @@ def _moe_layers(config: Mapping[str, Any], count: int) -> list[bool]:
     return [i >= dense_first and (i + 1) % step == 0 and i not in only_dense for i in range(count)]
 
 
+def _attention(layer: Any, s: _Sizes, family: Family, config: Mapping[str, Any]) -> _Part:
+    """Multi-head attention with grouped KV heads (a layer without them: plain multi-head)."""
+    head_dim = getattr(layer, "head_dim", s.hidden // s.heads)
+    kv_heads = getattr(layer, "kv_heads", s.heads)
+    q_heads = 2 * s.heads if family.gated_output else s.heads
+    attn = s.hidden * head_dim * (q_heads + 2 * kv_heads) + s.heads * head_dim * s.hidden
+    other = family.attention_extra(s, head_dim, kv_heads)
+    if s.qkv_bias:
+        other += head_dim * (s.heads + 2 * kv_heads)
+    if s.qk_norm:
+        other += 2 * head_dim
+    return _Part(linear=attn, other=other, active=attn)
+
+
+def _latent_attention(layer: MLAttention, s: _Sizes, family: Family, config: Mapping[str, Any]) -> _Part:
+    """MLA: low-rank query (when ``q_lora_rank``) and the compressed KV with its decoupled RoPE key."""
+    q_out = s.heads * (layer.nope_dim + layer.rope_dim)
+    attn = (s.hidden * s.q_rank + s.q_rank * q_out) if s.q_rank else s.hidden * q_out
+    attn += s.hidden * (layer.kv_lora_rank + layer.rope_dim)
+    attn += layer.kv_lora_rank * s.heads * (layer.nope_dim + layer.v_head_dim)
+    attn += s.heads * layer.v_head_dim * s.hidden
+    return _Part(linear=attn, other=s.q_rank + layer.kv_lora_rank, active=attn)
+
+
+def _recurrent(layer: RecurrentState, s: _Sizes, family: Family, config: Mapping[str, Any]) -> _Part:
+    attn, other = _mixer(config, layer, s.hidden, family.ssm_norms)
+    return _Part(linear=attn, other=other, active=attn)
+
+
+_Mixer = Callable[[Any, _Sizes, Family, Mapping[str, Any]], _Part]
+
+# Layer kind -> its attention or mixer. Every other kind is multi-head attention: full, sliding and chunked
+# layers, and NoCache (Gemma 3n's layers that reuse another layer's KV still have their own projections).
+_MIXERS: dict[str, _Mixer] = {MLAttention.kind: _latent_attention, RecurrentState.kind: _recurrent}
+
+
+def _moe(s: _Sizes, family: Family) -> _Part:
+    per_expert = _mlp(s.hidden, s.moe_inter, True)
+    routed = s.experts * per_expert
+    shared = _mlp(s.hidden, s.shared_inter, True) if s.shared_inter else 0
+    other = s.hidden * s.experts + family.moe_extra(s)  # the router, and the family's expert biases
+    if s.shared_inter and family.shared_gate:
+        other += s.hidden
+    return _Part(linear=routed + shared, other=other, experts=routed, active=s.top_k * per_expert + shared)
+
+
+def _dense(s: _Sizes, family: Family) -> _Part:
+    mlp = _mlp(s.hidden, s.inter, family.gated)
+    return _Part(linear=mlp, other=family.mlp_extra(s), active=mlp)
+
+
+def _layer(layer: LayerSpec, moe: bool, s: _Sizes, family: Family, config: Mapping[str, Any]) -> _Part:
+    """One decoder layer: its norms, its attention or mixer, its MLP (Mamba's mixer layers have none)."""
+    part = _Part(other=s.norms * s.norm) + _MIXERS.get(layer.kind, _attention)(layer, s, family, config)
+    if moe:
+        return part + _moe(s, family)
+    if layer.kind == RecurrentState.kind and not family.mixer_mlp:
+        return part
+    return part + _dense(s, family)
+
+
 def param_count(model: ModelSpec) -> ParamCount:
     """Parameters computed from the config (no weights read)."""
     c = model.config
-    hidden = model.hidden_size
-    heads = model.num_attention_heads
-    vocab = model.vocab_size or 0
-    gated = model.model_type not in _UNGATED
-    inter = first(c, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden
-    tied = bool(c.get("tie_word_embeddings", model.model_type in ("gpt2",)))
-    embedding = vocab * hidden * (1 if tied else 2)
-    if model.model_type == "gpt2":
-        embedding += (first(c, "n_positions", "max_position_embeddings") or 0) * hidden
-    linear = other = experts_linear = active_linear = 0
+    family = FAMILIES.get(model.model_type, _LLAMA)
+    s = _sizes(model, family)
+    tied = bool(c.get("tie_word_embeddings", family.tied))
+    embedding = (model.vocab_size or 0) * s.hidden * (1 if tied else 2)
+    if family.positions:
+        embedding += (first(c, "n_positions", "max_position_embeddings") or 0) * s.hidden
     moe = _moe_layers(c, len(model.layers))
-    n_experts = first(c, "n_routed_experts", "num_local_experts", "num_experts") or 0
-    top_k = first(c, "num_experts_per_tok", "num_experts_per_token") or 0
-    moe_inter = first(c, "moe_intermediate_size", "expert_intermediate_size") or inter
-    shared_inter = first(c, "shared_expert_intermediate_size") or (first(c, "n_shared_experts") or 0) * moe_inter
-    kind = model.model_type
-    bias = c.get("attention_bias") or kind in ("qwen2", "qwen2_moe")
-    norm = 2 * hidden if kind in _UNGATED else hidden  # LayerNorm has a bias, RMSNorm does not
-    # Gemma 2/3 normalise before and after both blocks; Falcon-7B's parallel block has one norm.
-    norms = 4 if kind in ("gemma2", "gemma3", "gemma3_text") else 2
-    if kind == "falcon" and not c.get("new_decoder_architecture"):
-        norms = 1
-    if kind == "llama4" or kind == "llama4_text":
-        shared_inter = inter  # one shared expert of intermediate_size; dense layers use intermediate_size_mlp
-        inter = first(c, "intermediate_size_mlp") or inter
-    for index, layer in enumerate(model.layers):
-        other += norms * norm
-        # Attention or mixer.
-        if isinstance(layer, MLAttention):
-            q_rank = first(c, "q_lora_rank")
-            q_out = heads * (layer.nope_dim + layer.rope_dim)
-            attn = (hidden * q_rank + q_rank * q_out) if q_rank else hidden * q_out
-            attn += hidden * (layer.kv_lora_rank + layer.rope_dim)
-            attn += layer.kv_lora_rank * heads * (layer.nope_dim + layer.v_head_dim)
-            attn += heads * layer.v_head_dim * hidden
-            other += (q_rank or 0) + layer.kv_lora_rank
-        elif isinstance(layer, RecurrentState):
-            attn, extra = _mixer(c, layer, hidden)
-            other += extra
-        else:
-            head_dim = getattr(layer, "head_dim", hidden // heads)
-            kv_heads = getattr(layer, "kv_heads", heads)
-            q_heads = 2 * heads if kind == "qwen3_next" else heads  # Qwen3-Next gates the output: q_proj is doubled
-            attn = hidden * head_dim * (q_heads + 2 * kv_heads) + heads * head_dim * hidden
-            if bias:
-                other += head_dim * (heads + 2 * kv_heads)
-            if kind == "gpt_oss":
-                other += head_dim * (heads + 2 * kv_heads) + hidden + heads  # q, k, v, o biases; sinks
-            if model.model_type == "gpt2":
-                other += 4 * hidden  # c_attn and c_proj biases
-            if c.get("qk_norm") or kind in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text", "gemma3", "olmo2"):
-                other += 2 * head_dim
-        linear += attn
-        active_linear += attn
-        # MLP.
-        if moe[index]:
-            per_expert = _mlp(hidden, moe_inter, True)
-            routed = n_experts * per_expert
-            shared = _mlp(hidden, shared_inter, True) if shared_inter else 0
-            linear += routed + shared
-            experts_linear += routed
-            active_linear += top_k * per_expert + shared
-            other += hidden * n_experts  # router
-            if kind == "gpt_oss":
-                other += n_experts * (2 * moe_inter + hidden) + n_experts  # expert and router biases
-            if shared_inter and model.model_type in ("qwen2_moe", "qwen3_next"):
-                other += hidden  # shared expert gate
-        elif not isinstance(layer, RecurrentState) or model.model_type != "mamba":
-            mlp = _mlp(hidden, inter, gated)
-            linear += mlp
-            active_linear += mlp
-            if model.model_type == "gpt2":
-                other += inter + hidden
-    other += norm  # final norm
-    active = embedding + active_linear + other
-    return ParamCount(embedding=embedding, linear=linear, other=other, experts=experts_linear, active=active)
+    total = _Part(other=s.norm)  # the final norm
+    for layer, sparse in zip(model.layers, moe, strict=True):
+        total += _layer(layer, sparse, s, family, c)
+    return ParamCount(
+        embedding=embedding,
+        linear=total.linear,
+        other=total.other,
+        experts=total.experts,
+        active=embedding + total.active + total.other,
+    )
 
 
-def _mixer(c: Mapping[str, Any], layer: RecurrentState, hidden: int) -> tuple[int, int]:
+def _mixer(c: Mapping[str, Any], layer: RecurrentState, hidden: int, ssm_norms: bool) -> tuple[int, int]:
     """(linear, other) parameters of a Gated DeltaNet or Mamba mixer."""
     if layer.family == "gated_deltanet":
         nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
@@ -157,8 +305,8 @@ def _mixer(c: Mapping[str, Any], layer: RecurrentState, hidden: int) -> tuple[in
     dt_rank = first(c, "mamba_dt_rank", "time_step_rank") or -(-hidden // 16)
     linear = hidden * 2 * d_inner + d_inner * (dt_rank + 2 * d_state) + dt_rank * d_inner + d_inner * hidden
     other = d_inner * layer.conv_kernel + d_inner + d_inner * d_state + d_inner + d_inner
-    if c.get("model_type") == "jamba":
-        other += dt_rank + 2 * d_state  # RMS norms on dt, B and C
+    if ssm_norms:
+        other += dt_rank + 2 * d_state
     return linear, other
 
 
