@@ -107,7 +107,12 @@ CONTENT_PART = "a ContentPart subclass (exported) that Message picks by type; ca
 PLUGIN = "handed out by the pytest plugin's prompt_budget / prompt_snapshot fixtures; in contextkeeper.testing"
 COUNTER_ABILITY = "an optional counter ability: a custom counter opts in by defining the method (no import)"
 PROXY_API = "the proxy's own parts (contextkeeper.proxy), behind `contextkeeper serve`; importable from there"
+CONFIG = "a keeper's configuration object: imported from contextkeeper.config (its keywords are the shortcuts)"
 INTERNAL: dict[str, str] = {
+    "contextkeeper.config.Admission": CONFIG,
+    "contextkeeper.config.Limit": CONFIG,
+    "contextkeeper.config.Recording": CONFIG,
+    "contextkeeper.config.Sharing": CONFIG,
     "contextkeeper.proxy.Access": PROXY_API,
     "contextkeeper.proxy.DebugStore": PROXY_API,
     "contextkeeper.proxy.Exchange": PROXY_API,

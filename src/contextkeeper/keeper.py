@@ -17,10 +17,10 @@ import threading
 import time
 import warnings
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._exceptions import ConfigurationError, InvariantViolation, RequestTooLarge, TransportError
-from .calls.redis_client import SCHEMES, is_redis_url
+from .config import Admission, Limit, Recording, Sharing, merged
 from .fit import engine
 from .fit.budget import Budget, Reserve
 from .fit.report import Fit, FitReport
@@ -39,6 +39,40 @@ if TYPE_CHECKING:
 __all__ = ["ContextKeeper", "Fit", "FitReport", "InvariantViolation", "RequestTooLarge", "Reserve"]
 
 log = logging.getLogger("contextkeeper")
+
+
+def _resolve_limit(limit: Limit) -> tuple[Any, int, str]:
+    """The model spec, the token limit and what sets it: the least of the context window, the model's maximum
+    context and what the GPU holds for the concurrency."""
+    from .memory import ModelSpec
+
+    limits: list[tuple[int, str]] = []
+    if limit.context_window is not None:
+        limits.append((limit.context_window, "context_window"))
+    model = None
+    if limit.model is not None:
+        model = limit.model if isinstance(limit.model, ModelSpec) else ModelSpec.from_config(limit.model)
+        if model.max_context:
+            limits.append((model.max_context, f"the model's maximum context ({model.name})"))
+        if limit.gpu is not None:
+            from .memory import plan
+
+            result = plan(
+                model,
+                limit.gpu,
+                context=min(n for n, _ in limits),
+                concurrency=limit.concurrency,
+                runtime=limit.runtime,
+                kv_dtype=limit.kv_dtype,
+            )
+            where = f"the GPU ({result.gpu}, {limit.runtime}, {limit.concurrency} concurrent sequence(s))"
+            limits.append((result.context_limit(), where))  # (context_limit says why when not one token fits)
+    if not limits:
+        raise ConfigurationError("set context_window=N (or model=... so the model's maximum context applies)")
+    tokens, source = min(limits, key=lambda pair: pair[0])
+    if tokens <= 0:
+        raise ConfigurationError(f"no context fits: {source} allows 0 tokens; use fewer sequences")
+    return model, tokens, source
 
 
 def _reads_facts(ledger: object, shared: object) -> bool:
@@ -88,6 +122,11 @@ class ContextKeeper:
     summaries with a per-conversation lease. ``transcript`` may be a ``postgresql://`` URL. When Redis cannot be
     reached, ``ledger_unavailable`` / ``shared_unavailable`` (by default the ledger's choice) say "fail" (a typed
     error) or "local" (go on in this process, with a warning).
+
+    The same settings as typed objects (:mod:`contextkeeper.config`, each checked once when made):
+    ``limit=Limit(...)``, ``admission=Admission(...)``, ``sharing=Sharing(...)``, ``recording=Recording(...)``;
+    the keywords above fill them, and an object with a keyword of its own part is refused. The keeper keeps them as
+    ``limit_config``, ``admission_config``, ``sharing_config`` and ``recording_config``.
     """
 
     def __init__(
@@ -106,7 +145,7 @@ class ContextKeeper:
         summarizer: Any = None,
         conversations: int = 1024,
         transcript: Any = None,
-        admission: Literal["wait", "shrink"] = "wait",
+        admission: Literal["wait", "shrink"] | Admission = "wait",
         admission_timeout: float = 30.0,
         kv_capacity: int | None = None,
         monitor: Any = None,
@@ -116,6 +155,9 @@ class ContextKeeper:
         ledger_unavailable: Literal["fail", "local"] = "fail",
         shared: Any = None,
         shared_unavailable: Literal["fail", "local"] | None = None,
+        limit: Limit | None = None,
+        sharing: Sharing | None = None,
+        recording: Recording | None = None,
     ) -> None:
         if tokenizer is None:
             raise ConfigurationError(
@@ -129,38 +171,20 @@ class ContextKeeper:
         self.server: Dialect = getattr(self.counter, "dialect", None) or dialect_of(None if self._auto else server)
         self.detection: Any = None  # what server="auto" found (a detection.Detection), after the first wrap
         self.name = str(getattr(self.counter, "name", tokenizer))
-        self.model = None
-        limits: list[tuple[int, str]] = []
-        if context_window is not None:
-            if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window <= 0:
-                raise ConfigurationError(f"context_window must be a positive integer, got {context_window!r}")
-            limits.append((context_window, "context_window"))
-        if model is not None:
-            from .memory import ModelSpec
-
-            self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
-            if self.model.max_context:
-                limits.append((self.model.max_context, f"the model's maximum context ({self.model.name})"))
-            if gpu is not None:
-                from .memory import plan
-
-                wanted = min(n for n, _ in limits)
-                result = plan(
-                    self.model, gpu, context=wanted, concurrency=concurrency, runtime=runtime, kv_dtype=kv_dtype
-                )
-                limits.append(
-                    (
-                        result.context_limit(),  # says why, when not even one token fits
-                        f"the GPU ({result.gpu}, {runtime}, {concurrency} concurrent sequence(s))",
-                    )
-                )
-        elif gpu is not None:
-            raise ConfigurationError("gpu=... needs model=... too (the KV cache per token comes from the model config)")
-        if not limits:
-            raise ConfigurationError("set context_window=N (or model=... so the model's maximum context applies)")
-        self.limit, self.limit_source = min(limits, key=lambda pair: pair[0])
-        if self.limit <= 0:
-            raise ConfigurationError(f"no context fits: {self.limit_source} allows 0 tokens; use fewer sequences")
+        self.limit_config = merged(
+            Limit,
+            limit,
+            "limit",
+            {
+                "context_window": ("context_window", context_window),
+                "model": ("model", model),
+                "gpu": ("gpu", gpu),
+                "concurrency": ("concurrency", concurrency),
+                "runtime": ("runtime", runtime),
+                "kv_dtype": ("kv_dtype", kv_dtype),
+            },
+        )
+        self.model, self.limit, self.limit_source = _resolve_limit(self.limit_config)
         self.policy = resolve_policy(policy, self.model.name if self.model else self.name)
         self.pipeline = self.policy.pipeline()
         self.summarizer = summarizer
@@ -172,47 +196,39 @@ class ContextKeeper:
         self._sessions = Sessions(self.counter, conversations)
         self.last_fit: Fit | None = None  # the latest fit of any conversation
         # Wrapped calls (see wrap): what they share, made on first use.
-        self.gpu, self.concurrency, self.runtime, self.kv_dtype = gpu, concurrency, runtime, kv_dtype
-        from .calls.transcript.store import check_transcript
-
-        if ledger is not None and not is_redis_url(ledger):
-            raise ConfigurationError(
-                f"ledger must be a Redis URL ({', '.join(SCHEMES)}...) or None (admission in this process), "
-                f"got {ledger!r}"
-            )
-        if ledger_unavailable not in ("fail", "local"):
-            raise ConfigurationError(
-                f"ledger_unavailable must be 'fail' (a typed error when Redis cannot be reached) or 'local' (admit "
-                f"in this process, with a warning), got {ledger_unavailable!r}"
-            )
-        if shared is None:
-            shared = ledger  # a Redis ledger shares learned state too, unless told otherwise (shared=False)
-        if not (shared is False or shared is None or is_redis_url(shared) or _is_shared_state(shared)):
-            raise ConfigurationError(
-                f"shared must be a Redis URL ({', '.join(SCHEMES)}...), a SharedState, or False (learn per process), "
-                f"got {shared!r}"
-            )
-        if shared_unavailable is None:
-            shared_unavailable = ledger_unavailable  # one choice for both, unless told apart
-        if shared_unavailable not in ("fail", "local"):
-            raise ConfigurationError(
-                f"shared_unavailable must be 'fail' (a typed error when Redis cannot be reached) or 'local' (go on "
-                f"with what this process learns, with a warning), got {shared_unavailable!r}"
-            )
-        self._shared_spec: Any = shared or None
-        self._shared_unavailable = shared_unavailable
+        given = admission if isinstance(admission, Admission) else None
+        self.admission_config = merged(
+            Admission,
+            given,
+            "admission",
+            {
+                "mode": ("admission", "wait" if given is not None else admission),
+                "timeout": ("admission_timeout", admission_timeout),
+                "capacity": ("kv_capacity", kv_capacity),
+                "ledger": ("ledger", ledger),
+                "pool": ("ledger_pool", ledger_pool),
+                "unavailable": ("ledger_unavailable", ledger_unavailable),
+            },
+        )
+        self.sharing_config = merged(
+            Sharing,
+            sharing,
+            "sharing",
+            {"state": ("shared", shared), "unavailable": ("shared_unavailable", shared_unavailable)},
+        ).resolved(self.admission_config)
+        self.recording_config = merged(
+            Recording,
+            recording,
+            "recording",
+            {"transcript": ("transcript", transcript), "monitor": ("monitor", monitor)},
+        )
+        self._shared_spec: Any = self.sharing_config.state
+        self._shared_unavailable = self.sharing_config.unavailable or self.admission_config.unavailable
         self._shared: Any = None
         self._shared_lock = threading.Lock()
-        self._call_settings = {
-            "transcript": cast(Any, check_transcript(transcript)),  # a bad value fails here, not at the first call
-            "admission": admission,
-            "timeout": admission_timeout,
-            "capacity": kv_capacity,
-            "ledger": ledger,
-            "pool": ledger_pool,
-            "unavailable": ledger_unavailable,
-        }
-        self.monitor = monitor
+        self.gpu, self.concurrency = self.limit_config.gpu, self.limit_config.concurrency
+        self.runtime, self.kv_dtype = self.limit_config.runtime, self.limit_config.kv_dtype
+        self.monitor = self.recording_config.monitor
         self.last_call: Any = None
         self._calls: Any = None
         self._calls_lock = threading.Lock()  # threads that wrap at the same moment get the same call state
@@ -446,8 +462,7 @@ class ContextKeeper:
         from .calls.loop import Calls, Hooks
         from .calls.transcript.store import open_transcript
 
-        settings = self._call_settings
-        capacity = settings["capacity"]
+        capacity = self.admission_config.capacity
         source = "kv_capacity" if capacity is not None else None
         if capacity is None and self.model is not None and self.gpu is not None:
             capacity = capacity_from_plan(
@@ -459,7 +474,7 @@ class ContextKeeper:
             keeper=self,
             hooks=Hooks(fit=(self._recorded_fit,), report=(self._recorded_call,)),
             ledger=ledger,
-            transcript=open_transcript(settings["transcript"]),
+            transcript=open_transcript(self.recording_config.transcript),
             shared=shared,
             facts_ledger=ledger if _reads_facts(ledger, shared) else None,
         )
@@ -470,21 +485,21 @@ class ContextKeeper:
         """The KV ledger of wrapped calls: this process's, or the pool's in Redis (``ledger=``)."""
         from .calls.ledger import Ledger
 
-        settings = self._call_settings
-        if settings["ledger"] is not None:
+        settings = self.admission_config
+        if settings.ledger is not None:
             from .calls.redis_ledger import LedgerUnavailable, RedisLedger
 
             try:
                 return RedisLedger(
-                    settings["ledger"],
+                    settings.ledger,
                     capacity,
-                    pool=settings["pool"],
-                    mode=settings["admission"],
-                    timeout=settings["timeout"],
+                    pool=settings.pool,
+                    mode=settings.mode,
+                    timeout=settings.timeout,
                     source=source,
                 )
             except LedgerUnavailable as error:
-                if settings["unavailable"] == "fail":
+                if settings.unavailable == "fail":
                     raise
                 warnings.warn(
                     f"{error}. ledger_unavailable='local': this process admits per process, against the whole "
@@ -492,7 +507,7 @@ class ContextKeeper:
                     UserWarning,
                     stacklevel=4,
                 )
-        return Ledger(capacity, mode=settings["admission"], timeout=settings["timeout"], source=source)
+        return Ledger(capacity, mode=settings.mode, timeout=settings.timeout, source=source)
 
     @property
     def transcript(self) -> Any:
