@@ -632,8 +632,8 @@ def _source_facts(text: str, kinds: frozenset[str], tally: _NameTally) -> Iterat
             yield from _sentence_facts(sentence, kinds)
 
 
-# Each claims the spans of its matches in ``spans`` (whatever ``kinds`` lets it yield), skipping those another
-# fact claimed before.
+# The passes of _source_facts, in order. Each skips what an earlier one claimed, and claims its matches in ``spans``
+# whatever ``kinds`` lets it yield: a URL's digits are never a number, even where only numbers are asked for.
 
 
 def _identifier_facts(text: str, kinds: frozenset[str], spans: list[tuple[int, int]]) -> Iterator[Fact]:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Sequence
 
 from pydantic import Field, field_validator
 
 from ..messages import Message
 from .base import Action, FitState, Item, Items, StrategySettings, register, with_content
+
+_Found = tuple[int, int, Item]
+"""A tool result in the history: its unit's index, its index in the unit, the item."""
 
 
 @register("prune_tool_results")
@@ -62,31 +66,8 @@ class PruneToolResults(StrategySettings):
 
     def _clear(self, state: FitState, *, fresh_batch: bool) -> FitState:
         memory: set[str] = state.memory.setdefault("prune_tool_results", set())
-        # Tool results in history, oldest first, with the tool name from the matching call.
-        names: dict[str, str] = {}
-        results: list[tuple[int, int, Item]] = []
-        for u, unit in enumerate(state.history):
-            for p, item in enumerate(unit):
-                for call in item.message.tool_calls or ():
-                    names[str(call.id)] = call.name
-                if item.role == "tool":
-                    results.append((u, p, item))
-        candidates = results[: max(0, len(results) - self.keep_last)]
-        sticky: list[tuple[int, int, Item]] = []  # cleared in an earlier fit: stays cleared
-        fresh: list[tuple[int, int, Item]] = []
-        fresh_tokens = 0
-        for u, p, item in candidates:
-            call_id = str(item.message.tool_call_id or "")
-            if names.get(call_id, "") in self.exclude_tools or item.text().startswith(self._cleared_prefixes()):
-                continue
-            if call_id in memory:
-                sticky.append((u, p, item))
-            else:
-                fresh.append((u, p, item))
-                # An estimate (4 characters per token) decides the batch: counting exactly would tokenize text
-                # that is about to be cleared. The savings reported are counted exactly.
-                fresh_tokens += len(item.text()) // 4
-        chosen = sticky + (fresh if fresh_batch and fresh_tokens >= self.clear_at_least else [])
+        names, results = _tool_results(state.history)
+        chosen = self._choose(results, names, memory, fresh_batch=fresh_batch)
         if not chosen:
             return state
         units = [list(unit) for unit in state.history]
@@ -98,16 +79,7 @@ class PruneToolResults(StrategySettings):
                 item.message, ("prune", text), functools.partial(with_content, item.message, text)
             )
         if self.clear_inputs:
-            for unit_items in units:
-                for p, item in enumerate(unit_items):
-                    if item.message.tool_calls and any(call.id in cleared_ids for call in item.message.tool_calls):
-                        data = item.message.to_dict()
-                        for call in data.get("tool_calls") or []:
-                            if call.get("id") in cleared_ids:
-                                function = call.get("function") or call
-                                function["arguments"] = "{}" if isinstance(function.get("arguments"), str) else {}
-                        key = ("prune-inputs", tuple(sorted(cleared_ids)))
-                        unit_items[p] = state.reuse(item.message, key, functools.partial(Message.from_dict, data))
+            _clear_arguments(state, units, cleared_ids)
         memory.update(cleared_ids)
         # Units left as they were stay the very same tuples (caches keyed by identity keep them).
         new: list[Items] = [
@@ -119,3 +91,51 @@ class PruneToolResults(StrategySettings):
         return state.with_history(
             new, Action(strategy="prune_tool_results", detail=detail, saved=saved, units=len(chosen))
         )
+
+    def _choose(
+        self, results: list[_Found], names: dict[str, str], memory: set[str], *, fresh_batch: bool
+    ) -> list[_Found]:
+        """The old results to clear: those cleared in an earlier fit (they stay cleared) and, with ``fresh_batch``,
+        the others once together they are worth clearing. Results of excluded tools, and placeholders, stay."""
+        sticky: list[_Found] = []
+        fresh: list[_Found] = []
+        fresh_tokens = 0
+        for u, p, item in results[: max(0, len(results) - self.keep_last)]:
+            call_id = str(item.message.tool_call_id or "")
+            if names.get(call_id, "") in self.exclude_tools or item.text().startswith(self._cleared_prefixes()):
+                continue
+            if call_id in memory:
+                sticky.append((u, p, item))
+            else:
+                fresh.append((u, p, item))
+                # An estimate (4 characters per token) decides the batch: counting exactly would tokenize text
+                # that is about to be cleared. The savings reported are counted exactly.
+                fresh_tokens += len(item.text()) // 4
+        return sticky + (fresh if fresh_batch and fresh_tokens >= self.clear_at_least else [])
+
+
+def _tool_results(history: Sequence[Items]) -> tuple[dict[str, str], list[_Found]]:
+    """The tool name of each call id, and the tool results in ``history``, oldest first."""
+    names: dict[str, str] = {}
+    results: list[_Found] = []
+    for u, unit in enumerate(history):
+        for p, item in enumerate(unit):
+            for call in item.message.tool_calls or ():
+                names[str(call.id)] = call.name
+            if item.role == "tool":
+                results.append((u, p, item))
+    return names, results
+
+
+def _clear_arguments(state: FitState, units: list[list[Item]], cleared_ids: set[str]) -> None:
+    """In ``units``, the calls whose results were cleared get ``{}`` for arguments (``"{}"`` where they were text)."""
+    for unit_items in units:
+        for p, item in enumerate(unit_items):
+            if item.message.tool_calls and any(call.id in cleared_ids for call in item.message.tool_calls):
+                data = item.message.to_dict()
+                for call in data.get("tool_calls") or []:
+                    if call.get("id") in cleared_ids:
+                        function = call.get("function") or call
+                        function["arguments"] = "{}" if isinstance(function.get("arguments"), str) else {}
+                key = ("prune-inputs", tuple(sorted(cleared_ids)))
+                unit_items[p] = state.reuse(item.message, key, functools.partial(Message.from_dict, data))
