@@ -20,9 +20,20 @@ from .._exceptions import ContextKeeperError, InvariantViolation, MessageError
 from .._memo import shared_prefix
 from ..messages import Conversation, Message, MessageLike
 from ..messages.conversation import group_units, restore_conversation
-from ..strategies.base import Action, FitState, Foresight, Item, Items, LLMCall, Pipeline, run_sync
-from ..strategies.prune_tool_results import PruneToolResults
-from ..strategies.sliding_window import SlidingWindow
+from ..strategies.base import (
+    Action,
+    FitState,
+    Foresight,
+    Item,
+    Items,
+    LLMCall,
+    Pipeline,
+    Reapplying,
+    needs_backend,
+    reads_beyond,
+    run_sync,
+)
+from ..strategies.registry import closed
 from ..strategies.turn import compact_turn
 from ..tokens import PromptBounding, ToolFreezing
 from ..tokens.breakdown import head_counts, prompt_slots
@@ -51,7 +62,7 @@ class Setup:
     def runs(self, strategy: Any) -> bool:
         """Whether ``strategy`` runs in a fit: a summarising step only with a summarizer (the sliding window
         covers for it otherwise)."""
-        return self.backend is not None or not getattr(strategy, "needs_backend", False)
+        return self.backend is not None or not needs_backend(strategy)
 
 
 def _chars(message: Any, role: str, rates: Rates) -> float:
@@ -372,34 +383,17 @@ def read(setup: Setup, session: Session, ask: Ask, per_token: float) -> Draft:
         # Another process's window (Session.adopt): its cleared tool results are cleared again first, as that
         # process's rewrites would have been, so the prompt starts as it did there.
         for strategy, _ in setup.pipeline:
-            if isinstance(strategy, PruneToolResults):
+            if isinstance(strategy, Reapplying):
                 state = strategy.reapply(state)
-    steps, window = _closing(setup.pipeline)
+    steps, window = closed(setup.pipeline)
     for strategy, trigger in steps:
         if not setup.runs(strategy):
             continue
         if trigger(state):
             state = run_sync(strategy, state, setup.backend)
     after_cut = sticky is None and horizon > sys_end
-    state = run_sync(window.model_copy(update={"after_cut": after_cut}) if after_cut else window, state)
+    state = run_sync(window.closing(after_cut=after_cut), state)
     return Draft(horizon=horizon, conversation=conversation, counts=counts, initial=initial, state=state)
-
-
-_PLAIN_WINDOW = SlidingWindow()
-
-
-def _closing(pipeline: Pipeline) -> tuple[tuple[tuple[Any, Any], ...], SlidingWindow]:
-    """The steps to run, and the window that closes them: the settings of the policy's last ``sliding_window``
-    step (its hysteresis), else the plain window. That step, when it is the last one, is the closing window
-    itself, so it is not run twice."""
-    steps = pipeline.steps
-    windows = [strategy for strategy, _ in steps if isinstance(strategy, SlidingWindow)]
-    if not windows:
-        return steps, _PLAIN_WINDOW
-    window = windows[-1].model_copy(update={"after_cut": False})
-    if steps and steps[-1][0] is windows[-1]:
-        steps = steps[:-1]
-    return steps, window
 
 
 def finish(setup: Setup, session: Session, ask: Ask, draft: Draft) -> Fit:
@@ -489,7 +483,7 @@ def _horizon(setup: Setup, session: Session, ask: Ask, per_token: float) -> int:
         return sys_end
     foresight = [_kept_chars(strategy) for strategy, _ in setup.pipeline if isinstance(strategy, Foresight)]
     budget = ask.budget.prompt * per_token
-    if any(getattr(strategy, "reads_beyond", False) and setup.runs(strategy) for strategy, _ in setup.pipeline):
+    if any(reads_beyond(strategy) and setup.runs(strategy) for strategy, _ in setup.pipeline):
         budget *= _BEYOND  # a step that summarises what does not fit needs that history read
     # The system prompt and the request are always kept: history has the rest of the budget.
     kept = (*range(sys_end), *range(last_user, len(ask.messages)))

@@ -31,17 +31,23 @@ __all__ = [
     "STRATEGIES",
     "Action",
     "Always",
+    "Closing",
     "FitState",
     "Foresight",
     "Item",
     "LLMCall",
+    "NeedsBackend",
     "OverBudget",
     "Pipeline",
+    "ReadsBeyond",
+    "Reapplying",
     "Step",
     "Strategy",
     "StrategySettings",
     "Trigger",
     "TurnCount",
+    "needs_backend",
+    "reads_beyond",
     "register",
     "run_async",
     "run_sync",
@@ -271,6 +277,50 @@ class Foresight(Protocol):
         ...
 
 
+@runtime_checkable
+class NeedsBackend(Protocol):
+    """A strategy that asks a model (it yields :class:`LLMCall`): the keeper runs it only with a summarizer set,
+    the closing window covering for it otherwise."""
+
+    needs_backend: bool
+
+
+@runtime_checkable
+class ReadsBeyond(Protocol):
+    """A strategy that works on history beyond what fits (it summarises what would be dropped): the keeper reads
+    that much further back."""
+
+    reads_beyond: bool
+
+
+@runtime_checkable
+class Reapplying(Protocol):
+    """A strategy whose rewrites another process made are made again first, when a conversation's window is
+    adopted from it, so the prompt starts as it did there."""
+
+    def reapply(self, state: FitState) -> FitState: ...
+
+
+@runtime_checkable
+class Closing(Protocol):
+    """A window that can close every fit: what is left after the pipeline's steps is made to fit by it. A
+    pipeline's last such step is its closing window (see :func:`~.registry.closed`)."""
+
+    def closing(self, *, after_cut: bool) -> Strategy:
+        """This window as it closes a fit; ``after_cut``: older units are gone already (the read stopped short)."""
+        ...
+
+
+def needs_backend(strategy: object) -> bool:
+    """Whether ``strategy`` asks a model."""
+    return isinstance(strategy, NeedsBackend) and bool(strategy.needs_backend)
+
+
+def reads_beyond(strategy: object) -> bool:
+    """Whether ``strategy`` works on history beyond what fits."""
+    return isinstance(strategy, ReadsBeyond) and bool(strategy.reads_beyond)
+
+
 # ------------------------------------------------------------------------------------------- triggers
 
 
@@ -489,9 +539,11 @@ def with_content(message: Message, content: str) -> Message:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """Strategies in order, each with its trigger: the same list a policy file declares."""
+    """Strategies in order, each with its trigger: the same list a policy file declares. ``closing``: the window
+    that closes every fit (None: the last :class:`Closing` step's settings, else the plain sliding window)."""
 
     steps: tuple[tuple[Strategy, Trigger], ...]
+    closing: Closing | None = None
 
     def __iter__(self) -> Iterator[tuple[Strategy, Trigger]]:
         return iter(self.steps)

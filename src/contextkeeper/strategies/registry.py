@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._exceptions import ConfigurationError
-from .base import _SETTINGS, STRATEGIES, Strategy
+from .base import _SETTINGS, STRATEGIES, Closing, Pipeline, Strategy, Trigger
 from .settings import Settings
 
-__all__ = ["build_strategy", "load_builtin", "settings_model"]
+__all__ = ["build_strategy", "closed", "load_builtin", "settings_model"]
 
 
 def load_builtin() -> None:
@@ -51,3 +51,20 @@ def build_strategy(
     except (TypeError, ValueError) as exc:
         raise (error or ConfigurationError)(f"{where or model.subject}: {exc}") from None
     return strategy
+
+
+def closed(pipeline: Pipeline) -> tuple[tuple[tuple[Strategy, Trigger], ...], Closing]:
+    """The steps a fit runs and the window that closes them: the pipeline's ``closing``, else the settings of its
+    last :class:`Closing` step (not run twice when it is the last step), else the plain sliding window."""
+    steps = pipeline.steps
+    if pipeline.closing is not None:
+        return steps, pipeline.closing
+    windows = [strategy for strategy, _ in steps if isinstance(strategy, Closing)]
+    if not windows:
+        from .sliding_window import PLAIN_WINDOW
+
+        plain: Closing = PLAIN_WINDOW
+        return steps, plain
+    if steps and steps[-1][0] is windows[-1]:
+        steps = steps[:-1]
+    return steps, windows[-1]

@@ -48,6 +48,10 @@ class SlidingWindow(StrategySettings):
     # fresh read that dropped history beyond its horizon unread), so the next turns should only append.
     after_cut: bool = False
 
+    def closing(self, *, after_cut: bool) -> SlidingWindow:
+        """This window closing a fit (``after_cut``: the slack is left free even when the history fits)."""
+        return self if self.after_cut == after_cut else self.model_copy(update={"after_cut": after_cut})
+
     @model_validator(mode="after")
     def _check_marks(self) -> SlidingWindow:
         given = self.model_fields_set
@@ -208,3 +212,6 @@ def _same_units(history: tuple[Items, ...], kept: tuple[Items, ...]) -> int:
         if len(unit) != len(old) or any(a.message is not b.message for a, b in zip(unit, old, strict=True)):
             return index
     return min(len(history), len(kept))
+
+
+PLAIN_WINDOW = SlidingWindow()  # the window that closes a fit when the policy names none
