@@ -55,8 +55,8 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 from contextkeeper.calls.ledger import Ledger  # noqa: E402
 from contextkeeper.calls.redis_ledger import RedisLedger  # noqa: E402
+from contextkeeper.calls.transcript import MemoryTranscript, SQLiteTranscript, Transcript  # noqa: E402
 from contextkeeper.calls.transcript.postgres import PostgresTranscript  # noqa: E402
-from contextkeeper.calls.transcript.store import MemoryTranscript, SQLiteTranscript, Transcript  # noqa: E402
 from engines import PostgresServer, RedisServer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "scaling.json"

@@ -236,7 +236,7 @@ def hostile_run(tokenizer: Any, folder: Path, *, hostile: bool, seconds: float, 
     """One paced honest load through a real serve process (SQLite transcript, 4 MB body limit), with or without
     the hostile clients of tests/hostile_clients.py beside it: what the honest clients saw, what the proxy held,
     and what its transcript kept."""
-    from contextkeeper.calls.transcript.store import SQLiteTranscript
+    from contextkeeper.calls.transcript import SQLiteTranscript
 
     transcript = folder / "chats.sqlite"
     config = write_config(

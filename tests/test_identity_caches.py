@@ -16,7 +16,7 @@ from assets import template
 from conftest import hf_tokenizer
 from contextkeeper import Message
 from contextkeeper._memo import IdentityMemo, cache_usage, set_cache_bytes
-from contextkeeper.calls.transcript.store import MemoryTranscript, SQLiteTranscript
+from contextkeeper.calls.transcript import MemoryTranscript, SQLiteTranscript
 from contextkeeper.fit.engine import _new_dict
 from contextkeeper.fit.session import Session
 from contextkeeper.strategies import FitState, Item

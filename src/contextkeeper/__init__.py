@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
     from .calls.ledger import Ledger
     from .calls.redis_ledger import RedisLedger
     from .calls.shared import ConversationShare, ServerFacts, SharedState, SummaryClaim
+    from .calls.transcript import Transcript, TranscriptEntry, open_transcript
     from .calls.transcript.postgres import PostgresTranscript
-    from .calls.transcript.store import Transcript, TranscriptEntry, open_transcript
     from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, profile
     from .diagnose import diagnose as doctor
     from .fit.budget import Reserve
@@ -139,8 +139,8 @@ _LAZY: dict[str, str] = {
     "TemplateLimits": ".tokens",
     "TokenCounter": ".tokens",
     "ToolCall": ".messages",
-    "Transcript": ".calls.transcript.store",
-    "TranscriptEntry": ".calls.transcript.store",
+    "Transcript": ".calls.transcript",
+    "TranscriptEntry": ".calls.transcript",
     "Unit": ".messages",
     "breakdown": ".tokens",
     "cache_bytes": "._memo",
@@ -150,7 +150,7 @@ _LAZY: dict[str, str] = {
     "gpu_catalog": ".memory",
     "load_counter": ".tokens",
     "load_policy": ".strategies.policy",
-    "open_transcript": ".calls.transcript.store",
+    "open_transcript": ".calls.transcript",
     "plan": ".memory",
     "profile": ".diagnose",
     "raw_view": ".messages",

@@ -126,7 +126,7 @@ class Recording:
     monitor: Any = None
 
     def __post_init__(self) -> None:
-        from .calls.transcript.store import check_transcript
+        from .calls.transcript import check_transcript
 
         object.__setattr__(self, "transcript", check_transcript(self.transcript))
 

@@ -460,7 +460,7 @@ class ContextKeeper:
     def _make_calls(self) -> Calls:
         from .calls.ledger import capacity_from_plan
         from .calls.loop import Calls, Hooks
-        from .calls.transcript.store import open_transcript
+        from .calls.transcript import open_transcript
 
         capacity = self.admission_config.capacity
         source = "kv_capacity" if capacity is not None else None

@@ -126,7 +126,7 @@ def test_sigkill_at_random_points_loses_no_message(tmp_path: Path) -> None:
     pytest.importorskip("openai")
     from assets import require_assets, tokenizer_dir
     from conftest import hf_tokenizer
-    from contextkeeper.calls.transcript.store import INTERRUPTED, SQLiteTranscript
+    from contextkeeper.calls.transcript import INTERRUPTED, SQLiteTranscript
     from openai_server import ChatServer
 
     require_assets()

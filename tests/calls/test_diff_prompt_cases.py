@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from contextkeeper.calls.transcript.store import diff_prompt
+from contextkeeper.calls.transcript import diff_prompt
 from contextkeeper.strategies.summarize import ACKNOWLEDGEMENT, SUMMARY_PREFIX
 
 

@@ -30,16 +30,9 @@ from test_transcript import test_a_dict_changed_in_place_is_recorded_as_it_was a
 from test_transcript import test_failed_calls_and_conversations as _failed_and_conversations
 
 import contextkeeper as ck
-from contextkeeper._exceptions import TranscriptUnavailable, TransportError
+from contextkeeper._exceptions import TranscriptUnavailable, TransportError, UnknownCall
+from contextkeeper.calls.transcript import INTERRUPTED, SQLiteTranscript, Transcript, check_transcript, open_transcript
 from contextkeeper.calls.transcript.postgres import MIGRATIONS, PostgresTranscript
-from contextkeeper.calls.transcript.store import (
-    INTERRUPTED,
-    SQLiteTranscript,
-    Transcript,
-    UnknownCall,
-    check_transcript,
-    open_transcript,
-)
 from engines import PostgresServer, _free_port
 
 psycopg = pytest.importorskip("psycopg")

@@ -31,7 +31,7 @@ import pytest
 
 import contextkeeper as ck
 from contextkeeper._exceptions import TranscriptUnavailable
-from contextkeeper.calls.transcript.store import INTERRUPTED
+from contextkeeper.calls.transcript import INTERRUPTED
 from engines import PostgresServer
 
 psycopg = pytest.importorskip("psycopg")

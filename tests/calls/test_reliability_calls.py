@@ -34,7 +34,7 @@ from assets import require_assets, template, tokenizer_dir
 from conftest import hf_tokenizer
 from contextkeeper.calls import DriftWarning
 from contextkeeper.calls.ledger import ExceedsCapacity, Ledger
-from contextkeeper.calls.transcript.store import INTERRUPTED, MemoryTranscript, SQLiteTranscript
+from contextkeeper.calls.transcript import INTERRUPTED, MemoryTranscript, SQLiteTranscript
 from contextkeeper.servers.kinds import kind_of_error, kind_of_reply, kind_of_url
 from openai_server import DIALECTS, ChatServer
 
@@ -265,7 +265,7 @@ def test_a_call_begun_by_a_process_that_was_killed_reads_as_interrupted(tmp_path
     messages = [{"role": "user", "content": "in flight when the process died"}]
     child = (
         "import os, signal, sys\n"
-        "from contextkeeper.calls.transcript.store import SQLiteTranscript\n"
+        "from contextkeeper.calls.transcript import SQLiteTranscript\n"
         f"SQLiteTranscript(sys.argv[1]).start({messages!r}, conversation='c')\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )

@@ -15,14 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import contextkeeper as ck
-from contextkeeper.calls.transcript.store import (
-    MemoryTranscript,
-    SQLiteTranscript,
-    Transcript,
-    UnknownCall,
-    diff_prompt,
-    open_transcript,
-)
+from contextkeeper._exceptions import UnknownCall
+from contextkeeper.calls.transcript import MemoryTranscript, SQLiteTranscript, Transcript, diff_prompt, open_transcript
 from contextkeeper.messages import Message
 from contextkeeper.strategies.policy import Policy, PolicyStep
 from contextkeeper.strategies.summarize import ACKNOWLEDGEMENT, SUMMARY_PREFIX
@@ -299,7 +293,7 @@ def test_threads_record_into_one_sqlite_file(tmp_path: Path) -> None:
 
 _WRITER = """
 import sys
-from contextkeeper.calls.transcript.store import SQLiteTranscript
+from contextkeeper.calls.transcript import SQLiteTranscript
 path, name, turns = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = SQLiteTranscript(path)
 chat = [{"role": "system", "content": "You are a helpful assistant."}]

@@ -23,15 +23,10 @@ from typing import Any
 import pytest
 
 import contextkeeper as ck
+import contextkeeper.calls.transcript as transcript_module
 from contextkeeper._exceptions import MessageError, RequestTooLarge, UnknownCall
 from contextkeeper._memo import set_cache_bytes
-from contextkeeper.calls.transcript import store as transcript_module
-from contextkeeper.calls.transcript.store import (
-    MemoryTranscript,
-    SQLiteTranscript,
-    Transcript,
-    open_transcript,
-)
+from contextkeeper.calls.transcript import MemoryTranscript, SQLiteTranscript, Transcript, open_transcript
 from engines import PostgresServer
 
 STORES = ["memory", "sqlite", "postgres"]

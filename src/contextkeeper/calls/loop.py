@@ -89,7 +89,7 @@ if TYPE_CHECKING:
     from .ledger import Ledger, Ticket
     from .redis_ledger import RedisLedger
     from .shared import SharedState
-    from .transcript.store import Begun, TranscriptEntry
+    from .transcript import Begun, TranscriptEntry
 
 __all__ = [
     "PROMPT_FIELDS",

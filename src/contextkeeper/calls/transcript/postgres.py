@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ..._exceptions import ConfigurationError, ContextKeeperError, TranscriptUnavailable, UnknownCall
-from .store import Transcript, _content, _Gone, _Row, safe_url
+from .base import Transcript, _content, _Gone, _Row, safe_url
 
 if TYPE_CHECKING:
     import psycopg
