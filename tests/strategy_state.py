@@ -21,7 +21,7 @@ from assets import template
 from conftest import hf_tokenizer
 from contextkeeper import Conversation, Message
 from contextkeeper.keeper import ContextKeeper
-from contextkeeper.strategies import FitState, Item
+from contextkeeper.strategies import FitState, Item, Memory
 from contextkeeper.strategies.base import Items
 from contextkeeper.strategies.policy import Policy, PolicyStep
 
@@ -87,7 +87,7 @@ def make_state(
     request: Mapping[str, Any],
     *,
     limit: int,
-    memory: dict[str, Any] | None = None,
+    memory: Memory | None = None,
 ) -> FitState:
     """A FitState over ``system``, ``history`` and ``request`` whose counts come from ``counter``."""
     system_unit, units, request_unit = _units(system, history, request)
@@ -98,7 +98,7 @@ def make_state(
         limit=limit,
         count=Counted(counter, system_unit, request_unit),
         query="\n".join(item.text() for item in request_unit if item.role == "user"),
-        memory={} if memory is None else memory,
+        memory=Memory() if memory is None else memory,
     )
 
 

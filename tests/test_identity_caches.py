@@ -19,8 +19,8 @@ from contextkeeper._memo import IdentityMemo, cache_usage, set_cache_bytes
 from contextkeeper.calls.transcript import MemoryTranscript, SQLiteTranscript
 from contextkeeper.fit.engine import _new_dict
 from contextkeeper.fit.session import Session
-from contextkeeper.strategies import FitState, Item
-from contextkeeper.strategies.base import _unit_chars
+from contextkeeper.strategies import FitState, Item, Memory
+from contextkeeper.strategies.base import _Rewrites, _unit_chars
 from contextkeeper.strategies.policy import Policy, PolicyStep
 from contextkeeper.testing.settings import BudgetSettings
 from contextkeeper.tokens._sandbox import FROZEN_JSON
@@ -143,8 +143,10 @@ def test_every_moved_cache_is_an_identity_memo_reported_by_name(tmp_path: Path) 
         assert isinstance(transcript._seen, IdentityMemo)
     session = k._sessions.get("default")
     assert isinstance(session.dicts, IdentityMemo)
-    for key in ("_rewrites", "_rewrite_roots"):
-        assert isinstance(session.memory[key], IdentityMemo), key
+    rewrites = session.memory.get(_Rewrites)
+    assert rewrites is not None
+    assert isinstance(rewrites.made, IdentityMemo)
+    assert isinstance(rewrites.roots, IdentityMemo)
     assert isinstance(shared_counter()._views, IdentityMemo)
     assert isinstance(FROZEN_JSON._outputs, IdentityMemo)
 
@@ -221,12 +223,12 @@ def test_keeper_dicts_never_answer_a_recycled_id() -> None:
     assert len(session.dict_memo()) > 0
 
 
-def _state(memory: dict[str, Any]) -> FitState:
-    return FitState(system=(), history=(), request=(), limit=1000, count=lambda history: 0, memory=memory)
+def _state() -> FitState:
+    return FitState(system=(), history=(), request=(), limit=1000, count=lambda history: 0, memory=Memory())
 
 
 def test_unit_chars_are_each_items_own_and_never_a_recycled_ids() -> None:
-    state = _state({})
+    state = _state()
 
     def use(unit: tuple[Item, ...]) -> None:
         assert state.unit_chars([unit]) == [_unit_chars(unit)]
@@ -234,11 +236,11 @@ def test_unit_chars_are_each_items_own_and_never_a_recycled_ids() -> None:
         assert all(item._chars == _unit_chars((item,)) for item in unit)
 
     recycled(lambda n: (Item(_message(n)), Item(_message(n * 7))), use)
-    assert "_unit_chars" not in state.memory
+    assert state.memory.kinds() == []  # unit sizes live on the items, not in the conversation's memory
 
 
 def test_rewrites_and_their_roots_never_answer_a_recycled_id() -> None:
-    state = _state({})
+    state = _state()
 
     def use(source: Message) -> None:
         def build() -> Message:
@@ -255,12 +257,12 @@ def test_rewrites_and_their_roots_never_answer_a_recycled_id() -> None:
 
 
 def test_a_rewrite_per_key_is_kept_and_a_changing_key_cannot_pile_up() -> None:
-    state = _state({})
+    state = _state()
     source = _message(1)
     made = [state.reuse(source, ("prune", n), lambda n=n: _message(1000 + n)).message for n in range(20)]
     assert len({id(m) for m in made}) == 20
     assert state.reuse(source, ("prune", 19), lambda: _message(0)).message is made[19]
-    assert len(state.memory["_rewrites"].get(source)) <= 8
+    assert len(state.memory.slot(_Rewrites).made.get(source)) <= 8
 
 
 def test_tojson_of_tool_schemas_never_answers_a_recycled_id() -> None:

@@ -255,13 +255,13 @@ def test_the_render_bound_is_never_below_the_count(name: str, vocab: str) -> Non
 
 def test_state_chars_follow_a_history_that_shares_its_first_units() -> None:
     from contextkeeper.messages import Message
-    from contextkeeper.strategies.base import FitState, Item
+    from contextkeeper.strategies.base import FitState, Item, Memory
 
     def unit(text: str) -> tuple[Item, ...]:
         return (Item(Message.from_dict({"role": "user", "content": text})),)
 
     units = [unit("x" * (i * 7 % 13 + 1)) for i in range(40)]
-    memory: dict[str, Any] = {}
+    memory = Memory()
     system, request = unit("sys"), unit("req")
     histories = [units[:10], units[:25], units[3:25], units[3:40], units[:5] + units[30:], units[:40]]
     for history in histories:

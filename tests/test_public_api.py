@@ -205,6 +205,7 @@ INTERNAL: dict[str, str] = {
     "contextkeeper.strategies.Trigger": STRATEGY_API,
     "contextkeeper.strategies.TurnCount": STRATEGY_API,
     "contextkeeper.strategies.Closing": STRATEGY_API,
+    "contextkeeper.strategies.Memory": STRATEGY_API,
     "contextkeeper.strategies.NeedsBackend": STRATEGY_API,
     "contextkeeper.strategies.ReadsBeyond": STRATEGY_API,
     "contextkeeper.strategies.Reapplying": STRATEGY_API,

@@ -9,8 +9,8 @@ from typing import Any
 
 import strategy_state
 from contextkeeper import Message
-from contextkeeper.strategies import FitState
-from contextkeeper.strategies.prune_tool_results import PruneToolResults
+from contextkeeper.strategies import FitState, Memory
+from contextkeeper.strategies.prune_tool_results import Cleared, PruneToolResults
 
 
 class CharCounter:
@@ -28,7 +28,7 @@ def result(call_id: str, content: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
-def make_state(memory: dict[str, Any] | None = None) -> FitState:
+def make_state(memory: Memory | None = None) -> FitState:
     history = [
         [{"role": "user", "content": "Look these up, then book."}],
         [
@@ -57,7 +57,7 @@ def make_state(memory: dict[str, Any] | None = None) -> FitState:
         history,
         {"role": "user", "content": "go"},
         limit=10**6,
-        memory=memory,
+        memory=memory if memory is not None else Memory(),
     )
 
 
@@ -99,7 +99,7 @@ def test_old_results_are_cleared_with_their_calls_arguments() -> None:
         True,
         True,
     ]
-    assert cleared.memory["prune_tool_results"] == {"c1", "c2"}
+    assert cleared.memory.slot(Cleared) == {"c1", "c2"}
     (action,) = cleared.actions
     assert (action.strategy, action.units) == ("prune_tool_results", 2)
     assert action.detail == "cleared 2 old tool result(s), kept the newest 1"
@@ -111,11 +111,13 @@ def test_the_batch_threshold_holds_back_only_results_not_cleared_before() -> Non
     strategy = PruneToolResults(keep_last=1, clear_at_least=10_000, placeholder="CLEARED {tool}")
     state = make_state()
     assert strategy.apply(state) is state  # 300 estimated tokens: below the batch
-    state = make_state({"prune_tool_results": {"c2"}})
+    memory = Memory()
+    memory.put(Cleared({"c2"}))
+    state = make_state(memory)
     cleared = strategy.apply(state)
     assert contents(cleared)[1] == [None, "x" * 400, "CLEARED book"]
     assert arguments(cleared)["c2"] == {"seat": "12A"}  # (clear_inputs is off)
-    assert cleared.memory["prune_tool_results"] == {"c2"}
+    assert cleared.memory.slot(Cleared) == {"c2"}
     # A result that starts like this placeholder is never cleared again, whatever the memory says.
     again = strategy.apply(cleared)
     assert contents(again) == contents(cleared)
@@ -123,7 +125,9 @@ def test_the_batch_threshold_holds_back_only_results_not_cleared_before() -> Non
 
 def test_reapply_clears_again_only_what_was_cleared_before() -> None:
     strategy = PruneToolResults(keep_last=0, clear_at_least=0)
-    state = make_state({"prune_tool_results": {"c5"}})
+    memory = Memory()
+    memory.put(Cleared({"c5"}))
+    state = make_state(memory)
     cleared = strategy.reapply(state)
     assert contents(cleared) == [
         ["Look these up, then book."],

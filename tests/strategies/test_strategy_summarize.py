@@ -20,8 +20,8 @@ import strategy_state
 from contextkeeper import Conversation
 from contextkeeper._exceptions import ConfigurationError
 from contextkeeper.strategies._facts import Fact, Source, extract, missing, normalize
-from contextkeeper.strategies.base import STRATEGIES, FitState, Item, Items, LLMCall, run_async, run_sync
-from contextkeeper.strategies.summarize import ACKNOWLEDGEMENT, SUMMARY_PREFIX, Summarize
+from contextkeeper.strategies.base import STRATEGIES, FitState, Item, Items, LLMCall, Memory, run_async, run_sync
+from contextkeeper.strategies.summarize import ACKNOWLEDGEMENT, SUMMARY_PREFIX, Summarize, _Summaries
 
 # ------------------------------------------------------------------------------------------- fixtures
 
@@ -126,7 +126,7 @@ def make_state(
     history: Sequence[dict[str, Any]] | tuple[Items, ...] = HISTORY,
     *,
     limit: int = 100_000,
-    memory: dict[str, Any] | None = None,
+    memory: Memory | None = None,
 ) -> FitState:
     """SYSTEM, ``history`` (message dicts, or units from an earlier result) and REQUEST, counted by ``counter``."""
     return strategy_state.make_state(counter, SYSTEM, history, REQUEST, limit=limit, memory=memory)
@@ -257,7 +257,7 @@ def test_a_hallucinating_summarizer_leaves_history_unchanged(counter: Any) -> No
     assert "failed verification after 3 attempts" in action.detail
     assert "'ORD-4471'" in action.detail
     assert "history unchanged" in action.detail
-    assert state.memory.get("summarize", {}) == {}  # nothing unverified is cached
+    assert not state.memory.get(_Summaries)  # nothing unverified is cached
 
 
 def test_retries_setting_bounds_the_attempts(counter: Any) -> None:
@@ -325,9 +325,9 @@ def test_a_question_no_assistant_answered_must_stay_open(counter: Any) -> None:
 
 
 def test_a_cached_summary_makes_no_second_call(counter: Any) -> None:
-    memory: dict[str, Any] = {}
+    memory = Memory()
     first = run_sync(Summarize(), make_state(counter, memory=memory), Model(FAITHFUL))
-    assert [entry.summary for entry in memory["summarize"].values()] == [FAITHFUL]
+    assert [entry.summary for entry in memory.slot(_Summaries).values()] == [FAITHFUL]
 
     model = Model(AssertionError("the cache should have answered"))
     second = run_sync(Summarize(), make_state(counter, memory=memory), model)
@@ -342,7 +342,7 @@ def test_a_cached_summary_makes_no_second_call(counter: Any) -> None:
 
 
 def test_a_grown_history_reuses_the_cached_prefix_when_that_fits(counter: Any) -> None:
-    memory: dict[str, Any] = {}
+    memory = Memory()
     run_sync(Summarize(), make_state(counter, memory=memory), Model(FAITHFUL))
     grown = [*HISTORY, REQUEST, {"role": "assistant", "content": "The warehouse has not answered yet."}]
 
@@ -355,7 +355,7 @@ def test_a_grown_history_reuses_the_cached_prefix_when_that_fits(counter: Any) -
 
 
 def test_a_grown_history_that_does_not_fit_rolls_the_cached_summary_forward(counter: Any) -> None:
-    memory: dict[str, Any] = {}
+    memory = Memory()
     run_sync(Summarize(), make_state(counter, memory=memory), Model(FAITHFUL))
     grown = [*HISTORY, REQUEST, {"role": "assistant", "content": "The warehouse has not answered yet."}]
     rolled = FAITHFUL + (

@@ -33,6 +33,7 @@ from ..strategies.base import (
     reads_beyond,
     run_sync,
 )
+from ..strategies.prune_tool_results import Cleared
 from ..strategies.registry import closed
 from ..strategies.turn import compact_turn
 from ..tokens import PromptBounding, ToolFreezing
@@ -466,7 +467,7 @@ def _adopted(session: Session, messages: Sequence[Any], sys_end: int, last_user:
         return None
     if fingerprint(messages, state.start, state.length) != state.fingerprint:
         return None
-    cleared = session.memory.setdefault("prune_tool_results", set())
+    cleared = session.memory.slot(Cleared)
     cleared.update(state.cleared)
     return Sticky(inputs=tuple(messages[: state.length]), sys_end=sys_end, start=state.start, rewrites={}, adopted=True)
 

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._memo import IdentityMemo
 from ..messages import Conversation, Message
-from ..strategies.base import Items
+from ..strategies.base import Items, Memory
+from ..strategies.prune_tool_results import Cleared
 from ..tokens import BatchTextCounting, Forgetting, Forking, TextBounding, TextCounting, TokenCounter
 from ..tokens.breakdown import HeadCounts
 from .raw import fingerprint
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_CONVERSATION", "Rates", "Session", "Sessions", "Sticky", "WindowState"]
 
 DEFAULT_CONVERSATION = "default"
-_PRUNED = "prune_tool_results"  # the strategy's memory: the call ids whose results it cleared
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class Session:
     prompted: bool = False  # a fit was made (its prompt_text None: not measurable by token ids)
     meter: Any = None  # the counter's prefix meter (contextkeeper.tokens.prefix), found on the first fit
     metered: bool = False
-    memory: dict[str, Any] = field(default_factory=dict)  # the strategies' own state (FitState.memory)
+    memory: Memory = field(default_factory=Memory)  # the strategies' own state (FitState.memory)
     adopted: WindowState | None = None  # another process's window, taken up by the next fit (see adopt)
 
     @classmethod
@@ -168,7 +168,7 @@ class Session:
         sticky = self.sticky
         if sticky is None or not sticky.inputs or sticky.start >= len(sticky.inputs):
             return None
-        cleared = self.memory.get(_PRUNED)
+        cleared = self.memory.get(Cleared)
         return WindowState(
             start=sticky.start,
             length=len(sticky.inputs),

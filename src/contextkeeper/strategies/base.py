@@ -18,7 +18,7 @@ import itertools
 import typing
 from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from pydantic import Field, create_model
 
@@ -36,6 +36,7 @@ __all__ = [
     "Foresight",
     "Item",
     "LLMCall",
+    "Memory",
     "NeedsBackend",
     "OverBudget",
     "Pipeline",
@@ -133,14 +134,69 @@ class LLMCall:
     purpose: str = "summary"
 
 
+K = TypeVar("K")
+
+
+class Memory:
+    """A conversation's strategy state between fits, owned by its session: one typed slot per kind (a class),
+    made on first use by calling the kind with no arguments. A strategy keeps its own state in a class of its
+    own, so no two strategies can read or overwrite each other's by a shared key."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self) -> None:
+        self._slots: dict[type[Any], Any] = {}
+
+    def slot(self, kind: type[K]) -> K:
+        """The slot of ``kind``, made (``kind()``) when it is not there yet."""
+        found = self._slots.get(kind)
+        if found is None:
+            found = self._slots[kind] = kind()
+        return cast(K, found)
+
+    def get(self, kind: type[K]) -> K | None:
+        """The slot of ``kind``, or None when nothing was kept there."""
+        return cast("K | None", self._slots.get(kind))
+
+    def put(self, value: K) -> K:
+        """Keep ``value`` as the slot of its own class (replacing what was there)."""
+        self._slots[type(value)] = value
+        return value
+
+    def kinds(self) -> list[type[Any]]:
+        """The kinds kept so far."""
+        return list(self._slots)
+
+
+@dataclass(frozen=True)
+class _Chars:
+    """The characters of the last history counted, and its running totals unit by unit (see FitState.chars)."""
+
+    history: tuple[Items, ...]
+    total: int
+    running: list[int]
+
+
+class _Rewrites:
+    """Rewritten messages kept the same objects across fits (see FitState.reuse), bounded with every other cache
+    by the shared byte budget."""
+
+    def __init__(self) -> None:
+        self.made: IdentityMemo[Message, tuple[tuple[Any, Message], ...]] = IdentityMemo(
+            "fit.rewrites", sizer=_rewrites_size
+        )
+        # A root entry holds two messages counted elsewhere (the rewrite here, the source by the counter).
+        self.roots: IdentityMemo[Message, Message] = IdentityMemo("fit.rewrite_roots", sizer=lambda rewrite, root: 128)
+
+
 @dataclass(frozen=True, kw_only=True)
 class FitState:
     """Everything a strategy may read, and the history it may change.
 
     ``count(history)`` is the exact token count of the whole prompt (system, the given history, the request,
     the tools, the generation prompt) through the model's template; ``limit`` is what the prompt may use (the
-    context minus the answer reservation). ``memory`` persists across fits of one keeper (summary caches,
-    pruning batches); strategies own the keys named after them.
+    context minus the answer reservation). ``memory`` persists across fits of one conversation (summary caches,
+    pruning batches): a :class:`Memory` of typed slots, each strategy owning the classes it keeps there.
     """
 
     system: Items
@@ -159,7 +215,7 @@ class FitState:
     query: str = ""
     turn: int = 0
     actions: tuple[Action, ...] = ()
-    memory: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    memory: Memory = field(default_factory=Memory, repr=False, compare=False)
     # This conversation's state shared with other processes (a shared.ConversationShare; None: this process only).
     shared: Any = field(default=None, repr=False, compare=False)
 
@@ -195,20 +251,20 @@ class FitState:
 
     def chars(self) -> int:
         """Characters of the whole prompt's text (cheap; no tokenizer; remembered for the current history)."""
-        known = self.memory.get("_chars")
-        if known is not None and known[0] is self.history:
-            return int(known[1])
+        known = self.memory.get(_Chars)
+        if known is not None and known.history is self.history:
+            return known.total
         # Per unit, by identity (units are immutable tuples, and a growing chat keeps its old ones): a fit costs
         # the units it has not seen. The history's running totals are kept too, so a history that shares its first
         # units with the last one counted (the very same tuples) is summed from where they part.
         history = self.history
         shared, running = 0, [0]
         if known is not None:
-            shared = shared_prefix(history, known[0])
-            running = known[2][: shared + 1]
+            shared = shared_prefix(history, known.history)
+            running = known.running[: shared + 1]
         running.extend(itertools.accumulate(self.unit_chars(history[shared:]), initial=running.pop()))
         total = running[-1] + sum(self.unit_chars((self.system, self.request)))
-        self.memory["_chars"] = (history, total, running)
+        self.memory.put(_Chars(history, total, running))
         return total
 
     def unit_chars(self, units: Sequence[Items]) -> list[int]:
@@ -226,12 +282,8 @@ class FitState:
         The item's ``source`` is the caller's message the rewrite descends from, also when ``source`` is itself
         a rewrite (a result cut in one fit and cleared in a later one): the keeper re-applies rewrites by the
         caller's message, so a chain of them is re-applied whole."""
-        store = self.memory.get("_rewrites")
-        roots = self.memory.get("_rewrite_roots")
-        if store is None or roots is None:  # bounded, with every other cache, by the shared byte budget
-            store = self.memory["_rewrites"] = IdentityMemo("fit.rewrites", sizer=_rewrites_size)
-            # A root entry holds two messages counted elsewhere (the rewrite here, the source by the counter).
-            roots = self.memory["_rewrite_roots"] = IdentityMemo("fit.rewrite_roots", sizer=lambda rewrite, root: 128)
+        rewrites = self.memory.slot(_Rewrites)
+        store, roots = rewrites.made, rewrites.roots
         known_root = roots.get(source)
         root = source if known_root is None else known_root
         made = store.get(source) or ()

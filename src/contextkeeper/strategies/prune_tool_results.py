@@ -15,6 +15,11 @@ _Found = tuple[int, int, Item]
 """A tool result in the history: its unit's index, its index in the unit, the item."""
 
 
+class Cleared(set[str]):
+    """A conversation's memory of this strategy: the call ids whose results it cleared (a window adopted from
+    another process brings its own: see ``Session.adopt``)."""
+
+
 @register("prune_tool_results")
 class PruneToolResults(StrategySettings):
     """Clear the content of old tool results (oldest first), leaving ``[tool result cleared: name, N characters]``.
@@ -65,7 +70,7 @@ class PruneToolResults(StrategySettings):
         return self._clear(state, fresh_batch=False)
 
     def _clear(self, state: FitState, *, fresh_batch: bool) -> FitState:
-        memory: set[str] = state.memory.setdefault("prune_tool_results", set())
+        memory = state.memory.slot(Cleared)
         names, results = _tool_results(state.history)
         chosen = self._choose(results, names, memory, fresh_batch=fresh_batch)
         if not chosen:

@@ -47,6 +47,10 @@ def _tool_matches(folded: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(folded, pattern.casefold()) for pattern in patterns)
 
 
+class _Loads(dict[str, Any]):
+    """What the embedding model cost to load in this fit (see ``load_in_fit``): retrieval's memory."""
+
+
 @register("retrieval")
 class Retrieval(StrategySettings):
     """Drop the retrieved passages least relevant to the request, only as many as the budget needs.
@@ -193,7 +197,7 @@ class Retrieval(StrategySettings):
             return [0.0] * len(texts), "no request text: by age and rank"
         if not self.uses_embeddings:
             return lexical_scores(query, texts), "lexical: BM25"
-        memory: dict[str, Any] = state.memory.setdefault(self.name, {})
+        memory = state.memory.slot(_Loads)
         embedder, note = load_in_fit(None if self.model in (None, LEXICAL) else self.model, memory, state.turn)
         if embedder is None:
             return lexical_scores(query, texts), f"lexical: BM25; no embedding model: {note}"

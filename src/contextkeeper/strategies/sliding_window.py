@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from pydantic import Field, model_validator
 
 from ._cache import CacheCost
 from .base import Action, FitState, Items, StrategySettings, register
 
-_MEMORY = "sliding_window"  # the conversation's last kept history, its tokens, and the growth per turn
+
+@dataclass(frozen=True)
+class _Kept:
+    """The conversation's last kept history, its tokens, and the growth per turn (the window's memory)."""
+
+    history: tuple[Items, ...]
+    tokens: int
+    growth: float | None
+
+
 _GROWTH_WEIGHT = 0.3  # the newest turn's weight in the growth per turn (an exponential mean)
 
 
@@ -145,25 +155,24 @@ class SlidingWindow(StrategySettings):
     def _remember(self, state: FitState, kept: tuple[Items, ...], tokens: int) -> None:
         if not self.hysteretic:
             return
-        known = state.memory.get(_MEMORY)
-        growth = known[2] if isinstance(known, tuple) else None
-        state.memory[_MEMORY] = (kept, tokens, growth)
+        known = state.memory.get(_Kept)
+        state.memory.put(_Kept(kept, tokens, known.growth if known is not None else None))
 
     def _break_even(self, state: FitState, total: int, share: float, high: int) -> bool:
         """Whether to cut to the low-water mark although the prompt fits: an earlier step of this fit changed
         history the previous fit kept (the prefix is broken there anyway), and the break-even rule says a cut now
         costs less per turn than the prompt as it is. A history that only grew updates the growth per turn."""
-        known = state.memory.get(_MEMORY)
-        if not isinstance(known, tuple):
+        known = state.memory.get(_Kept)
+        if known is None:
             return False
-        kept, tokens, growth = known
+        kept, tokens, growth = known.history, known.tokens, known.growth
         history = state.history
         same = _same_units(history, kept)
         if same == len(kept):
             grew = total - tokens
             if grew > 0:
                 growth = grew if growth is None else growth + _GROWTH_WEIGHT * (grew - growth)
-                state.memory[_MEMORY] = (kept, tokens, growth)
+                state.memory.put(_Kept(kept, tokens, growth))
             return False
         base = state.tokens(())
         if total * 1.0 <= state.limit * share or not history:

@@ -13,7 +13,7 @@ verified summary replaces them.
 The summary goes in as two units, a user message ``"Summary of the earlier conversation:\\n..."`` and an
 assistant ``"Understood."``, so user/assistant alternation holds for strict templates. A later fit recognises
 that pair at the start of the history by its exact prefix and rolls forward: the old summary is one of the
-sources of the new one. Verified summaries are cached in ``state.memory["summarize"]`` by a hash of their
+sources of the new one. Verified summaries are cached in the conversation's memory (``_Summaries``) by a hash of their
 source units, so the same sources never cost a second model call; when the caller sends its full history again
 (one more turn on it), the summary of the unchanged prefix is found there and reused without a call as long as
 the prompt fits with it, and otherwise becomes the previous summary that the next call rolls forward.
@@ -59,9 +59,6 @@ Leave out greetings, filler and repetition. Use short sentences or bullet points
 Write in the language of the transcript. If a previous summary is given, merge it in and keep everything in it \
 that still holds. Answer with the summary only."""
 
-_MEMORY_KEY = "summarize"
-_CALLS_KEY = "summarize/calls"  # this fit's summarizer calls (see _Calls)
-_EMBEDDINGS_KEY = "summarize/embeddings"
 _CHUNK_CHARS = 800  # the meaning check compares the summary with chunks this long (within a small model's window)
 _CHUNKS = 32  # at most this many, spread over the transcript
 _CACHE_SIZE = 64  # verified summaries kept per keeper
@@ -92,9 +89,9 @@ class _Calls:
 
     @classmethod
     def of(cls, state: FitState) -> _Calls:
-        calls = state.memory.get(_CALLS_KEY)
-        if not isinstance(calls, _Calls) or calls.turn != state.turn:
-            calls = state.memory[_CALLS_KEY] = cls(state.turn)
+        calls = state.memory.get(cls)
+        if calls is None or calls.turn != state.turn:
+            calls = state.memory.put(cls(state.turn))
         return calls
 
 
@@ -295,7 +292,7 @@ class Summarize(StrategySettings):
                 if not self.uses_embeddings:
                     return _Outcome(summary, verified)
                 if embedder is _UNLOADED:
-                    memory = state.memory.setdefault(_EMBEDDINGS_KEY, {})
+                    memory = state.memory.slot(_Embeddings)
                     embedder, loading = load_in_fit(self.embedding_model, memory, state.turn)
                 if embedder is None:
                     return _Outcome(summary, f"{verified}; no meaning check: {loading}")
@@ -391,11 +388,16 @@ def _prefix_keys(history: Sequence[Items], cut: int) -> dict[int, str]:
     return keys
 
 
+class _Summaries(dict[str, "_Entry"]):
+    """Verified summaries kept in a conversation's memory, by a hash of their sources."""
+
+
+class _Embeddings(dict[str, Any]):
+    """What the meaning check's embedding model cost to load in this fit (see ``load_in_fit``)."""
+
+
 def _cache(state: FitState) -> dict[str, _Entry]:
-    cache = state.memory.get(_MEMORY_KEY)
-    if not isinstance(cache, dict):
-        cache = state.memory[_MEMORY_KEY] = {}
-    return cache
+    return state.memory.slot(_Summaries)
 
 
 def _store(cache: dict[str, _Entry], key: str, entry: _Entry) -> None:
