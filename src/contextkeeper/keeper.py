@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ._exceptions import ConfigurationError, InvariantViolation, RequestTooLarge, TransportError
 from .config import Admission, Limit, Recording, Sharing, merged
@@ -33,6 +33,9 @@ from .strategies.policy import Policy, resolve_policy
 from .tokens import TemplateLimits, TokenCounter, load_counter
 
 if TYPE_CHECKING:
+    import openai
+
+    from .backends.openai import WrappedOpenAI
     from .calls.loop import Calls
 
 # The fit's types live in their own modules; importable from here as they always were.
@@ -382,6 +385,11 @@ class ContextKeeper:
         where servers differ (``target``: an openai client or the server's URL; llama.cpp's llama-server, which
         renders and tokenizes on request). Every difference comes with the rule that explains it."""
         return calibrate(self.counter, target, timeout=timeout)
+
+    @overload
+    def wrap(self, client: openai.OpenAI | openai.AsyncOpenAI, **options: Any) -> WrappedOpenAI: ...
+    @overload
+    def wrap(self, client: Any, **options: Any) -> Any: ...
 
     def wrap(self, client: Any, **options: Any) -> Any:
         """``client`` with its own call shape, every call fitted first: an ``openai.OpenAI`` / ``AsyncOpenAI``
