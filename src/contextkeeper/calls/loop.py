@@ -62,12 +62,9 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from .._exceptions import (
     ConfigurationError,
     ContextLengthExceeded,
-    CountingError,
     DriftWarning,
-    MessageError,
     OutOfMemory,
     ProviderError,
-    RequestRejected,
     RequestTooLarge,
     StreamInterrupted,
     TranscriptUnavailable,
@@ -79,9 +76,10 @@ from ..servers.dialects import DIALECTS, Dialect
 from ..servers.kinds import Drift, fewer_advice, kind_of_error
 from ..tokens.media import PART_MODALITY
 from . import tracing
+from .admission import Admitting
 from .base import Backend, Reply, Request
 from .errors import Attempted, Failure, classify, provider_error
-from .ledger import ExceedsCapacity
+from .recording import CallRecord
 from .shared import ServerFacts, WrittenFacts, lower_median
 
 if TYPE_CHECKING:
@@ -89,7 +87,6 @@ if TYPE_CHECKING:
     from .ledger import Ledger, Ticket
     from .redis_ledger import RedisLedger
     from .shared import SharedState
-    from .transcript import Begun, TranscriptEntry
 
 __all__ = [
     "PROMPT_FIELDS",
@@ -623,7 +620,6 @@ class Call:
         self.session: Session | None = None  # the conversation's session: it owns the scoped offsets
         self.shrink = 0  # tokens withheld after refusals without numbers, or out-of-memory errors
         self.cap: int | None = None  # prompt cap after an out-of-memory error
-        self.granted: int | None = None  # what a shrinking admission granted (prompt plus answers)
         self.implied = 0  # what this call's refusals implied the server counts beyond ours (for its own retries)
         self.drift: _Drift | None = None  # this call's drift in the server's window (one per call: the latest)
         self.checking = False  # this attempt was sent without the learned offsets, to measure them (a probe)
@@ -634,10 +630,8 @@ class Call:
         self.recoveries: list[str] = []
         self.transport_failures: list[Failure] = []  # what the backoff reads: how many, and any Retry-After
         self.fit: Fit | None = None
-        self.ticket: Ticket | None = None
-        self.begun: Begun | None = None  # the inputs as written ahead
-        self.entry: TranscriptEntry | None = None  # their entry, once durable
-        self.admission = "unlimited"
+        self.admitting = Admitting(calls, backend.server, options.lease if params.get("stream") else None)
+        self.recording = CallRecord(calls.transcript, options.conversation, messages, self.tools)
         self.started = time.perf_counter()
         self.trace: tracing.CallTrace | None = None  # its spans, when a tracer provider is set
 
@@ -648,21 +642,13 @@ class Call:
         state, take what other replicas learned about the server, while that write travels."""
         self.sequences = sequences_of(self.params)  # a bad n or best_of is refused before anything is kept
         self.features = self.charged = request_features(self.messages, self.params)
-        transcript = self.calls.transcript
-        if transcript is not None:
-            inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
-            self.begun = transcript.begin(inputs, conversation=self.options.conversation, tools=self.tools)
+        self.recording.begin()
         try:
             self.calls.pull(self.backend.server)
         except BaseException as exc:
             self.error(exc)  # (its inputs are written: the entry says why the call went no further)
             raise
         self.trace = tracing.start(self)
-
-    def _durable(self) -> None:
-        """Wait until the inputs :meth:`begin` wrote are committed (a failure is the transcript's typed error)."""
-        if self.begun is not None and self.entry is None:
-            self.entry = self.begun.wait()
 
     def _fit(self, withheld: int, trusted: bool = False) -> Fit:
         with tracing.fitting(self.trace) as traced:
@@ -742,10 +728,10 @@ class Call:
                     "free GPU memory (a smaller KV dtype, fewer sequences at once)",
                 )
             )
-        if self.granted is not None:
+        if self.admitting.granted is not None:
             reasons.append(
                 (
-                    f"admission granted {self.granted:,} tokens while other calls held the rest",
+                    f"admission granted {self.admitting.granted:,} tokens while other calls held the rest",
                     "lower concurrency, or give the KV cache more room",
                 )
             )
@@ -807,7 +793,7 @@ class Call:
         ``(tokens, minimum)`` and receives the ticket; sync and async drivers wait differently)."""
         self.attempts += 1
         self.checking = False
-        self.granted = None
+        self.admitting.granted = None
         if self.features and self.session is None:
             # (the session the fit uses: kept while the call runs, so what is learned lands where it was measured)
             self.session = self.keeper.session(self.options.conversation)
@@ -836,7 +822,7 @@ class Call:
             need = fit.tokens + answers
             floor = fit.tokens - fit.report.history_after + answers  # never-trimmed parts plus the answers
             ticket = yield need, floor
-            self.ticket = ticket
+            self.admitting.ticket = ticket
             # Through a facts ledger the admission read the replicas' facts (none: there are none, or all expired).
             records = WrittenFacts.array(ticket.facts) if ticket.facts else []
             read = self.calls.facts_ledger is not None and self.calls.adopt(self.backend.server, records)
@@ -849,20 +835,20 @@ class Call:
                 if need < ticket.tokens:
                     ticket.resize(need)
             if ticket.tokens < need:  # mode "shrink": fit again into what was granted
-                self.granted = ticket.tokens
+                self.admitting.granted = ticket.tokens
                 room = ticket.tokens - answers + self.answer  # for the prompt and one answer
                 fit = self._fit(max(withheld, self.keeper.limit - room), trusted=self.checking)
                 ticket.resize(fit.tokens + answers)
-                self.admission = f"shrunk to {fit.tokens + answers:,} tokens"
+                self.admitting.status = f"shrunk to {fit.tokens + answers:,} tokens"
             elif ticket.waited:
-                self.admission = f"waited {ticket.waited:.2f} s"
+                self.admitting.status = f"waited {ticket.waited:.2f} s"
             else:
-                self.admission = "admitted"
+                self.admitting.status = "admitted"
         self.fit = fit
         self.sent_offset = self._offset(self.checking)[:2]
         if self.features:
             self.charged = request_features(fit.messages, self.params)
-        self._durable()  # write-ahead: nothing leaves before the inputs are committed
+        self.recording.durable()  # write-ahead: nothing leaves before the inputs are committed
         params = dict(self.params)
         params["messages"] = fit.messages
         request = Request(
@@ -872,7 +858,7 @@ class Call:
             params=params,
             stream=bool(params.get("stream")),
             finish=self.finish,
-            renew=self.renew,
+            renew=self.admitting.renew,
         )
         if self.trace is not None:
             self.trace.sent(request)
@@ -884,7 +870,7 @@ class Call:
         steps = self.prepare()
         ask = _advance(steps, None)
         while not isinstance(ask, Request):
-            ledger, settings = self._admission(ask)
+            ledger, settings = self.admitting.ask(ask)
             ask = _advance(steps, ledger.acquire(ask[0], **settings))
         return self._leaving(ask)
 
@@ -894,7 +880,7 @@ class Call:
         steps = self.prepare()
         ask = await asyncio.to_thread(_advance, steps, None)
         while not isinstance(ask, Request):
-            ledger, settings = self._admission(ask)
+            ledger, settings = self.admitting.ask(ask)
             ticket = await ledger.acquire_async(ask[0], **settings)
             ask = await asyncio.to_thread(_advance, steps, ticket)
         return self._leaving(ask)
@@ -908,39 +894,11 @@ class Call:
         for hook in self.hooks.back:
             hook()
 
-    def _admission(self, ask: tuple[int, int]) -> tuple[Ledger, dict[str, Any]]:
-        """The ledger to ask for ``ask`` (tokens, minimum), and how: through a facts ledger, the server's shared
-        facts come back with the admission."""
-        settings: dict[str, Any] = {"minimum": ask[1], "label": self._label(), "lease": self._lease()}
-        if self.calls.facts_ledger is not None:
-            return self.calls.facts_ledger, {**settings, "facts": self.backend.server}
-        assert self.calls.ledger is not None
-        return self.calls.ledger, settings
-
-    def _lease(self) -> float | None:
-        """A stream's admission is a lease (it may be kept and never read); a plain call gives its tokens back
-        when it returns or raises."""
-        return self.options.lease if self.params.get("stream") else None
-
-    def _label(self) -> str:
-        return f"{self.backend.server} call {self.calls.calls + 1}"
-
-    def _release(self) -> None:
-        if self.ticket is not None:
-            self.ticket.release(wait=False)  # a shared ledger gives the tokens back behind the call
-            self.ticket = None
-
-    def renew(self) -> None:
-        """A sign of life (a stream chunk): the admission's lease starts again."""
-        ticket = self.ticket
-        if ticket is not None:
-            ticket.renew()
-
     def failed(self, exc: BaseException) -> None:
         """Learn from the failure and raise what the retry loop acts on: a ProviderError to retry, or the
         caller's own exception unchanged."""
         self._back()
-        self._release()
+        self.admitting.release()
         failure = classify(exc)
         if self.trace is not None:
             self.trace.failed(exc, failure.kind)
@@ -1029,7 +987,7 @@ class Call:
         """The call's end (for a stream: when it was consumed, closed, collected or broke): learn, report,
         record. Returns the error to raise for a reply that failed (a stream that broke after its first chunk)."""
         self._back()
-        self._release()
+        self.admitting.release()
         if reply.server_kind is not None:
             self.server.kind = reply.server_kind
         if reply.error is not None:
@@ -1151,6 +1109,16 @@ class Call:
         self._record(reply, error)
         return error if isinstance(error, BaseException) else None
 
+    @property
+    def admission(self) -> str:
+        """How the call was admitted: "unlimited", "admitted", "waited 0.42 s" or "shrunk to N tokens"."""
+        return self.admitting.status
+
+    def _record(self, reply: Reply | None, exc: BaseException | str | None) -> None:
+        with self.calls.lock:
+            self.calls.calls += 1
+        self.recording.end(reply, exc, fit=self.fit, attempts=self.attempts, sent=self.sent)
+
     def _report(self, reply: Reply | None, drift: int | None, error: BaseException | str | None = None) -> CallReport:
         fit = self.fit
         tokens = fit.tokens if fit is not None else 0
@@ -1166,7 +1134,7 @@ class Call:
             completion_tokens=reply.completion_tokens if reply is not None else None,
             drift=drift,
             withheld=self._withheld(),
-            admission=self.admission,
+            admission=self.admitting.status,
             kv_bytes=kv_bytes,
             kv_share=share,
             cache_bytes=reply.cache_bytes if reply is not None else None,
@@ -1194,50 +1162,11 @@ class Call:
     def error(self, exc: BaseException) -> None:
         """The call failed for good (a fit that cannot fit included): record it and free its admission."""
         self._back()
-        self._release()
+        self.admitting.release()
         try:
             self._reported(None, None, exc)
         finally:
             self._record(None, exc)
-
-    def _record(self, reply: Reply | None, exc: BaseException | str | None) -> None:
-        with self.calls.lock:
-            self.calls.calls += 1
-        transcript = self.calls.transcript
-        if transcript is None:
-            return
-        details: dict[str, Any] = {
-            "received": reply.message if reply is not None else None,
-            "usage": (
-                {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens}
-                if reply is not None and reply.prompt_tokens is not None
-                else None
-            ),
-            "error": exc,
-            "attempts": self.attempts,
-        }
-        try:
-            if self.begun is not None:
-                if self.begun.error is not None and self.begun.error is exc:
-                    return  # the inputs never reached the transcript: that is the error the caller gets
-                self._durable()
-            if reply is None and self.sent == 0 and isinstance(exc, _REFUSALS):
-                # Refused by our own checks before anything left: the refusal is recorded, not its payload (a
-                # request too large for the context, say, must not stay in the transcript at every retry).
-                inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
-                transcript.refuse(
-                    self.entry, exc, conversation=self.options.conversation, inputs=inputs, tools=self.tools
-                )
-            elif self.entry is not None:
-                # Not waited for (a store over the network commits it behind; the inputs were durable before the
-                # request left): the caller gets its reply without a round trip.
-                transcript.end(self.entry, self.fit, wait=False, **details)
-            else:
-                inputs = self.messages if isinstance(self.messages, (list, tuple)) else []
-                transcript.add(inputs, self.fit, conversation=self.options.conversation, tools=self.tools, **details)
-        except Exception:
-            # The inputs were written ahead; what failed is the end of the entry. The caller's call stands.
-            log.exception("could not complete call %s in the transcript", self.entry.call if self.entry else "?")
 
     @staticmethod
     def _log(fit: Fit, report: CallReport) -> None:
@@ -1254,10 +1183,6 @@ class Call:
             report.attempts,
             report.admission,
         )
-
-
-#: Errors that refuse a request for what it holds (its size, its messages, its settings), raised before it is sent.
-_REFUSALS = (RequestTooLarge, RequestRejected, MessageError, CountingError, ExceedsCapacity, ConfigurationError)
 
 
 def _get(obj: Any, name: str) -> Any:
