@@ -18,7 +18,7 @@ import contextkeeper as ck
 
 
 def worker(url: str, pool: str, capacity: int, seconds: float, seed: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    ledger = ck.RedisLedger(url, capacity, pool=pool)
+    ledger = ck.calls.RedisLedger(url, capacity, pool=pool)
     counts = {"admitted": 0, "timeouts": 0}
     lock = threading.Lock()
     end = time.monotonic() + seconds
@@ -30,7 +30,7 @@ def worker(url: str, pool: str, capacity: int, seconds: float, seed: int, out: m
                 with ledger.admit(rng.randint(50, 400), timeout=5):  # a call's prompt + max_tokens
                     time.sleep(rng.uniform(0.001, 0.02))  # the server generating
                 key = "admitted"
-            except ck.AdmissionTimeout:
+            except ck.calls.AdmissionTimeout:
                 key = "timeouts"
             with lock:
                 counts[key] += 1
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     args = parser.parse_args()
     pool = f"example-{time.time_ns()}"
-    watcher = ck.RedisLedger(args.redis, args.capacity, pool=pool)
+    watcher = ck.calls.RedisLedger(args.redis, args.capacity, pool=pool)
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     processes = [

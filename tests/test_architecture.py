@@ -15,7 +15,7 @@ SRC = Path(ck.__file__).resolve().parent
 ROOT = SRC.parents[1]
 
 # What sits directly under src/contextkeeper besides packages (docs/architecture.md says what each is for).
-TOP_MODULES = {"__init__", "__main__", "_exceptions", "_memo", "cli", "config", "demo", "keeper"}
+TOP_MODULES = {"__init__", "__main__", "_exceptions", "_memo", "cli", "config", "demo", "keeper", "memo"}
 PACKAGES = {
     "backends",
     "calls",

@@ -222,7 +222,7 @@ def test_names_that_match_nothing_say_the_closest_and_the_fix() -> None:
 
     cases = [
         (lambda: ck.find_gpu("RTX 4095"), "NVIDIA GeForce RTX 4090 24GB", "--gpu 48GB"),
-        (lambda: ck.doctor("concurent"), "concurrent", "pass --symptom concurrent"),
+        (lambda: ck.diagnose.diagnose("concurent"), "concurrent", "pass --symptom concurrent"),
         (lambda: ck.ModelSpec.from_config("no-such-model"), None, "config.json path"),
     ]
     for make, closest, fix in cases:

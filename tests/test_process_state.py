@@ -86,7 +86,7 @@ def test_a_policy_file_is_parsed_once_per_version_in_the_shared_cache(tmp_path: 
         first = policy_module.resolve_policy("auto", "my-model-7b")
         assert first.name == "mine"
         assert policy_module.resolve_policy("auto", "my-model-7b") is first  # parsed once
-        assert "policy.files" in ck.cache_usage().by_name
+        assert "policy.files" in ck.memo.cache_usage().by_name
         file.write_text(
             'name = "mine"\nmatch = ["my-model*"]\n[[steps]]\nstrategy = "truncate"\nmax_tokens = 50\n',
             encoding="utf-8",

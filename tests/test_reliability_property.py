@@ -504,7 +504,7 @@ def test_memory_planning_gives_a_plan_or_a_typed_error(
     model: Any, gpu: Any, context: Any, concurrency: Any, count: Any, utilization: Any, runtime: str
 ) -> None:
     _warm_memory()
-    settings_ = _outcome(lambda: ck.PlanSettings(gpu_memory_utilization=utilization), "PlanSettings()")
+    settings_ = _outcome(lambda: ck.memory.PlanSettings(gpu_memory_utilization=utilization), "PlanSettings()")
     options: dict[str, Any] = {"runtime": runtime}
     if not isinstance(settings_, ck.ContextKeeperError):
         options["settings"] = settings_

@@ -2,28 +2,31 @@
 
 Counts are exact: the length of the token ids the model's own chat template (or mistral-common encoder)
 produces for the messages and tools, after the preprocessing an OpenAI-compatible server applies.
+
+The top level holds what most programs use: the keeper and its fit, messages, counters, policies and the strategy
+extension points, the memory planner, and the errors. The rest lives in its part, each with its own ``__all__``:
+``contextkeeper.calls`` (wrapped-call infrastructure: ledgers, shared state, the transcript), ``contextkeeper.servers``
+(dialects, detection, calibration), ``contextkeeper.diagnose``, ``contextkeeper.memory``, ``contextkeeper.memo`` (cache
+tuning), ``contextkeeper.config`` (the keeper's settings as objects).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import (
-    AdmissionTimeout,
     ChatTemplateError,
     ConfigurationError,
     ContextKeeperError,
     ContextKeeperWarning,
     ContextLengthExceeded,
     CountingError,
-    DetectionWarning,
     DriftWarning,
-    ExceedsCapacity,
     InvalidMessage,
     InvariantViolation,
-    LedgerUnavailable,
     MessageError,
     MissingToolResult,
     ModelConfigError,
@@ -31,58 +34,28 @@ from ._exceptions import (
     OutOfMemory,
     PolicyError,
     ProviderError,
-    ProxyConfigError,
     RequestRejected,
     RequestTooLarge,
-    SharedUnavailable,
     StreamInterrupted,
     TemplateLimitExceeded,
     TokenizerNotFound,
-    TranscriptUnavailable,
     TransportError,
-    UnknownCall,
     UnknownGPU,
     UnknownModel,
-    UnknownSymptom,
     UnsupportedContent,
 )
 
 if TYPE_CHECKING:  # the names, for type checkers; at run time they load on first use
-    from ._memo import CacheUsage, cache_bytes, cache_usage, set_cache_bytes
-    from .calls import CallReport
-    from .calls.ledger import Ledger
-    from .calls.redis_ledger import RedisLedger
-    from .calls.shared import ConversationShare, ServerFacts, SharedState, SummaryClaim
-    from .calls.transcript import Transcript, TranscriptEntry, open_transcript
-    from .calls.transcript.postgres import PostgresTranscript
-    from .diagnose import Diagnosis, MemoryMonitor, MonitorReport, ProfileReport, profile
-    from .diagnose import diagnose as doctor
-    from .fit.budget import Reserve
-    from .fit.report import Fit, FitReport
+    from .calls import Backend
+    from .fit import Fit, FitReport
     from .keeper import ContextKeeper
-    from .memory import (
-        GPU,
-        DetectedGPU,
-        KVReport,
-        ModelSpec,
-        Plan,
-        PlanSettings,
-        Recommendation,
-        detect_gpus,
-        find_gpu,
-        gpu_catalog,
-        plan,
-        recommend,
-    )
-    from .messages import ContentPart, Conversation, FunctionCall, Message, ToolCall, Unit, raw_view, server_view
-    from .servers.calibration import Calibration, Probe, ProbeResult, calibrate
-    from .servers.detection import Detection, detect_server
-    from .servers.dialects import Dialect, dialect_of
+    from .memory import GPU, KVReport, ModelSpec, Plan, find_gpu, plan, recommend
+    from .messages import ContentPart, Conversation, Message, ToolCall, Unit, raw_view, server_view
+    from .strategies import FitState, Pipeline, Strategy, register
     from .strategies.policy import Policy, load_policy, register_policy_path
     from .tokens import (
         Breakdown,
         HFChatTemplateCounter,
-        Measurement,
         MediaCost,
         MistralCounter,
         TemplateLimits,
@@ -94,103 +67,127 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time they load on firs
 # Importing contextkeeper (and so its pytest plugin, in every test session) stays cheap: each name's module is
 # imported when the name is first used.
 _LAZY: dict[str, str] = {
-    "Calibration": ".servers.calibration",
-    "Probe": ".servers.calibration",
-    "ProbeResult": ".servers.calibration",
-    "calibrate": ".servers.calibration",
-    "Dialect": ".servers.dialects",
-    "dialect_of": ".servers.dialects",
-    "Detection": ".servers.detection",
-    "detect_server": ".servers.detection",
+    "Backend": ".calls",
     "Breakdown": ".tokens",
-    "CacheUsage": "._memo",
-    "CallReport": ".calls",
     "ContentPart": ".messages",
     "ContextKeeper": ".keeper",
     "Conversation": ".messages",
-    "DetectedGPU": ".memory",
-    "Diagnosis": ".diagnose",
-    "Fit": ".fit.report",
-    "FitReport": ".fit.report",
-    "FunctionCall": ".messages",
+    "Fit": ".fit",
+    "FitReport": ".fit",
+    "FitState": ".strategies",
     "GPU": ".memory",
     "HFChatTemplateCounter": ".tokens",
     "KVReport": ".memory",
-    "Ledger": ".calls.ledger",
-    "RedisLedger": ".calls.redis_ledger",
-    "ConversationShare": ".calls.shared",
-    "PostgresTranscript": ".calls.transcript.postgres",
-    "ServerFacts": ".calls.shared",
-    "SharedState": ".calls.shared",
-    "SummaryClaim": ".calls.shared",
-    "Measurement": ".tokens",
     "MediaCost": ".tokens",
-    "MemoryMonitor": ".diagnose",
     "Message": ".messages",
     "MistralCounter": ".tokens",
     "ModelSpec": ".memory",
-    "MonitorReport": ".diagnose",
+    "Pipeline": ".strategies",
     "Plan": ".memory",
-    "PlanSettings": ".memory",
     "Policy": ".strategies.policy",
-    "ProfileReport": ".diagnose",
-    "Recommendation": ".memory",
-    "Reserve": ".fit.budget",
+    "Strategy": ".strategies",
     "TemplateLimits": ".tokens",
     "TokenCounter": ".tokens",
     "ToolCall": ".messages",
-    "Transcript": ".calls.transcript",
-    "TranscriptEntry": ".calls.transcript",
     "Unit": ".messages",
     "breakdown": ".tokens",
-    "cache_bytes": "._memo",
-    "cache_usage": "._memo",
-    "detect_gpus": ".memory",
     "find_gpu": ".memory",
-    "gpu_catalog": ".memory",
     "load_counter": ".tokens",
     "load_policy": ".strategies.policy",
-    "open_transcript": ".calls.transcript",
     "plan": ".memory",
-    "profile": ".diagnose",
     "raw_view": ".messages",
     "recommend": ".memory",
+    "register": ".strategies",
     "register_policy_path": ".strategies.policy",
     "server_view": ".messages",
-    "set_cache_bytes": "._memo",
+}
+
+# Names the top level had before each part got its own (they still work, with a DeprecationWarning saying where
+# each lives now): name -> (module, attribute there).
+_MOVED: dict[str, tuple[str, str]] = {
+    **{
+        name: ("contextkeeper.calls", name)
+        for name in (
+            "AdmissionTimeout",
+            "CallReport",
+            "ConversationShare",
+            "ExceedsCapacity",
+            "Ledger",
+            "LedgerUnavailable",
+            "PostgresTranscript",
+            "RedisLedger",
+            "ServerFacts",
+            "SharedState",
+            "SharedUnavailable",
+            "SummaryClaim",
+            "Transcript",
+            "TranscriptEntry",
+            "TranscriptUnavailable",
+            "UnknownCall",
+            "open_transcript",
+        )
+    },
+    **{
+        name: ("contextkeeper.servers", name)
+        for name in (
+            "Calibration",
+            "Detection",
+            "DetectionWarning",
+            "Dialect",
+            "Probe",
+            "ProbeResult",
+            "calibrate",
+            "detect_server",
+            "dialect_of",
+        )
+    },
+    **{
+        name: ("contextkeeper.diagnose", name)
+        for name in ("Diagnosis", "MemoryMonitor", "MonitorReport", "ProfileReport", "UnknownSymptom", "profile")
+    },
+    "doctor": ("contextkeeper.diagnose", "diagnose"),
+    **{
+        name: ("contextkeeper.memory", name)
+        for name in ("DetectedGPU", "PlanSettings", "Recommendation", "detect_gpus", "gpu_catalog")
+    },
+    **{name: ("contextkeeper.memo", name) for name in ("CacheUsage", "cache_bytes", "cache_usage", "set_cache_bytes")},
+    "FunctionCall": ("contextkeeper.messages", "FunctionCall"),
+    "Measurement": ("contextkeeper.tokens", "Measurement"),
+    "ProxyConfigError": ("contextkeeper.proxy", "ProxyConfigError"),
+    "Reserve": ("contextkeeper.fit", "Reserve"),
 }
 
 
-# Names that differ from the module's own: ``contextkeeper.diagnose`` is a subpackage, so its function is
-# exported as ``doctor`` (the CLI command's name) rather than shadowing the package.
-_ALIASES: dict[str, tuple[str, str]] = {"doctor": (".diagnose", "diagnose")}
-
-
 def __getattr__(name: str) -> Any:
-    module, attribute = _ALIASES.get(name) or (_LAZY.get(name), name)
-    if module is None:
-        # A submodule (``ck.messages.MAX_DEPTH``, ``ck.tokens.TextCounting``) works before anything imported it.
-        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            return importlib.import_module(f".{name}", __name__)
-        raise AttributeError(f"module 'contextkeeper' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), attribute)
-    globals()[name] = value
-    return value
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+    moved = _MOVED.get(name)
+    if moved is not None:
+        warnings.warn(
+            f"contextkeeper.{name} lives in {moved[0]} now: import it from there ({moved[0]}.{moved[1]})",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(moved[0]), moved[1])
+    # A submodule (``ck.messages.MAX_DEPTH``, ``ck.tokens.TextCounting``) works before anything imported it.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'contextkeeper' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | set(_ALIASES))
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPU",
-    "AdmissionTimeout",
+    "Backend",
     "Breakdown",
-    "CacheUsage",
-    "Calibration",
-    "CallReport",
     "ChatTemplateError",
     "ConfigurationError",
     "ContentPart",
@@ -199,90 +196,52 @@ __all__ = [
     "ContextKeeperWarning",
     "ContextLengthExceeded",
     "Conversation",
-    "ConversationShare",
     "CountingError",
-    "DetectedGPU",
-    "Detection",
-    "DetectionWarning",
-    "Diagnosis",
-    "Dialect",
     "DriftWarning",
-    "ExceedsCapacity",
     "Fit",
     "FitReport",
-    "FunctionCall",
+    "FitState",
     "HFChatTemplateCounter",
     "InvalidMessage",
     "InvariantViolation",
     "KVReport",
-    "Ledger",
-    "LedgerUnavailable",
-    "Measurement",
     "MediaCost",
-    "MemoryMonitor",
     "Message",
     "MessageError",
     "MissingToolResult",
     "MistralCounter",
     "ModelConfigError",
     "ModelSpec",
-    "MonitorReport",
     "OrphanToolResult",
     "OutOfMemory",
+    "Pipeline",
     "Plan",
-    "PlanSettings",
     "Policy",
     "PolicyError",
-    "PostgresTranscript",
-    "Probe",
-    "ProbeResult",
-    "ProfileReport",
     "ProviderError",
-    "ProxyConfigError",
-    "Recommendation",
-    "RedisLedger",
     "RequestRejected",
     "RequestTooLarge",
-    "Reserve",
-    "ServerFacts",
-    "SharedState",
-    "SharedUnavailable",
+    "Strategy",
     "StreamInterrupted",
-    "SummaryClaim",
     "TemplateLimitExceeded",
     "TemplateLimits",
     "TokenCounter",
     "TokenizerNotFound",
     "ToolCall",
-    "Transcript",
-    "TranscriptEntry",
-    "TranscriptUnavailable",
     "TransportError",
     "Unit",
-    "UnknownCall",
     "UnknownGPU",
     "UnknownModel",
-    "UnknownSymptom",
     "UnsupportedContent",
     "__version__",
     "breakdown",
-    "cache_bytes",
-    "cache_usage",
-    "calibrate",
-    "detect_gpus",
-    "detect_server",
-    "dialect_of",
-    "doctor",
     "find_gpu",
-    "gpu_catalog",
     "load_counter",
     "load_policy",
-    "open_transcript",
     "plan",
-    "profile",
     "raw_view",
     "recommend",
+    "register",
     "register_policy_path",
     "server_view",
-    "set_cache_bytes",
 ]

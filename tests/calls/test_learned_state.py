@@ -340,7 +340,7 @@ def test_n_answers_are_admitted_as_that_many_answers(tokenizer: Any) -> None:
             )
             prompts += keeper.count(messages)
         assert keeper.ledger.active == prompts + 6 * 16 * 1000  # 96,000 answer tokens, as the server may make
-        with pytest.raises(ck.AdmissionTimeout):  # a seventh waits for room
+        with pytest.raises(ck.calls.AdmissionTimeout):  # a seventh waits for room
             client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "One more."}], max_tokens=1000, n=16
             )

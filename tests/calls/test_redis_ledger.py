@@ -60,7 +60,7 @@ def test_the_pool_keeps_the_first_capacity(
     other = RedisLedger(redis_server.url, 5000, pool=pool)
     assert other.capacity == 1000
     assert "already has a capacity of 1,000 tokens" in caplog.text
-    with pytest.raises(ck.ExceedsCapacity):
+    with pytest.raises(ck.calls.ExceedsCapacity):
         other.acquire(1500)
     other.close()
 
@@ -72,7 +72,7 @@ def test_shrink_admits_what_is_free_in_the_pool(redis_server: RedisServer, pool:
         assert (ticket.tokens, ticket.shrunk) == (200, True)
         ticket.resize(150)
         assert holder.available() == 50
-        with pytest.raises(ck.ExceedsCapacity):
+        with pytest.raises(ck.calls.ExceedsCapacity):
             ticket.resize(300)
     holder.close()
     shrinking.close()

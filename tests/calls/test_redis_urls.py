@@ -140,7 +140,7 @@ def _share_one_capacity(url: str, pool: str) -> None:
     first, second = RedisLedger(url, 1000, pool=pool), RedisLedger(url, 1000, pool=pool)
     with first.admit(700) as held:
         assert second.available() == 300
-        with pytest.raises(ck.AdmissionTimeout):
+        with pytest.raises(ck.calls.AdmissionTimeout):
             second.acquire(400, timeout=0.2)
         with second.admit(300):
             assert first.available() == 0

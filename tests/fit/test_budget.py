@@ -17,7 +17,7 @@ def budget(max_tokens: int | None = 500, **reserve: Any) -> Budget:
         max_tokens=max_tokens,
         policy="agent",
         policy_answer=1024,
-        reserve=ck.Reserve(**reserve),
+        reserve=ck.fit.Reserve(**reserve),
     )
 
 

@@ -134,7 +134,7 @@ def test_a_server_that_tells_nothing_leaves_vllms_rules_with_a_warning() -> None
     keeper = qwen_keeper(server="auto")
     with ChatServer(assets.tokenizer_dir("qwen2"), chat_template=assets.template(QWEN["template"])) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
-        with pytest.warns(ck.DetectionWarning, match=r"could not tell.*asked /v1/models, /props.*Fix: ContextKeeper"):
+        with pytest.warns(ck.servers.DetectionWarning, match=r"could not tell.*asked /v1/models, /props.*Fix: ContextKeeper"):
             wrapped = keeper.wrap(client)
         reply = wrapped.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
     assert keeper.server.name == "vllm"
@@ -147,7 +147,7 @@ def test_an_unreachable_server_is_a_warning_not_a_failed_wrap() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     keeper = qwen_keeper(server="auto")
-    with pytest.warns(ck.DetectionWarning, match=r"could not reach http://127\.0\.0\.1"):
+    with pytest.warns(ck.servers.DetectionWarning, match=r"could not reach http://127\.0\.0\.1"):
         keeper.wrap(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0))
     assert keeper.server.name == "vllm"
 
@@ -162,7 +162,7 @@ def test_auto_needs_a_counter_the_keeper_builds() -> None:
 def test_a_mistral_tokenizer_behind_llama_server_warns_and_counts_as_before() -> None:
     keeper = ck.ContextKeeper(tokenizer="mistral:tekken", context_window=4096, server="auto")
     before = keeper.counter
-    warns = pytest.warns(ck.DetectionWarning, match="found llama.cpp .* cannot count its way")
+    warns = pytest.warns(ck.servers.DetectionWarning, match="found llama.cpp .* cannot count its way")
     with answering(LLAMA["answers"]) as url, warns:
         keeper.wrap(openai.OpenAI(base_url=url, api_key="x", max_retries=0))
     assert keeper.counter is before
@@ -213,4 +213,4 @@ def test_calibrate_names_the_endpoints_a_server_lacks() -> None:
 
 def test_auto_outside_a_keeper_says_where_it_applies() -> None:
     with pytest.raises(ConfigurationError, match=r"'auto' is for ContextKeeper\(server='auto'\)"):
-        ck.dialect_of("auto")
+        ck.servers.dialect_of("auto")

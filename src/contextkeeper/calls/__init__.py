@@ -4,18 +4,48 @@ admits, sends, recovers and records (:mod:`.loop`), provider errors mapped in on
 transcript (:mod:`.transcript`).
 """
 
+from .._exceptions import (
+    AdmissionTimeout,
+    ExceedsCapacity,
+    LedgerUnavailable,
+    SharedUnavailable,
+    TranscriptUnavailable,
+    UnknownCall,
+)
 from .base import Backend, Reply, Request
 from .errors import Failure, classify, parse_context_error
-from .loop import CallReport, DriftWarning, ServerState
+from .ledger import Ledger
+from .loop import CallReport, DriftWarning, Hooks, ServerState
+from .redis_ledger import RedisLedger
+from .shared import ConversationShare, ServerFacts, SharedState, SummaryClaim
+from .transcript import Transcript, TranscriptEntry, open_transcript
+from .transcript.postgres import PostgresTranscript
 
 __all__ = [
+    "AdmissionTimeout",
     "Backend",
     "CallReport",
+    "ConversationShare",
     "DriftWarning",
+    "ExceedsCapacity",
     "Failure",
+    "Hooks",
+    "Ledger",
+    "LedgerUnavailable",
+    "PostgresTranscript",
+    "RedisLedger",
     "Reply",
     "Request",
+    "ServerFacts",
     "ServerState",
+    "SharedState",
+    "SharedUnavailable",
+    "SummaryClaim",
+    "Transcript",
+    "TranscriptEntry",
+    "TranscriptUnavailable",
+    "UnknownCall",
     "classify",
+    "open_transcript",
     "parse_context_error",
 ]
