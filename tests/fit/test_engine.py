@@ -41,7 +41,9 @@ def chat(turns: int) -> list[dict[str, Any]]:
 
 
 def budget(limit: int = 4096, answer: int = 100) -> Budget:
-    return Budget.of(limit, "context_window", max_tokens=answer, policy="p", policy_answer=answer, reserve=ck.fit.Reserve())
+    return Budget.of(
+        limit, "context_window", max_tokens=answer, policy="p", policy_answer=answer, reserve=ck.fit.Reserve()
+    )
 
 
 def parts(counter: Any, messages: list[dict[str, Any]]) -> tuple[Session, engine.Ask, tuple[Any, ...], list[Any]]:

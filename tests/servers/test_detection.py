@@ -134,7 +134,9 @@ def test_a_server_that_tells_nothing_leaves_vllms_rules_with_a_warning() -> None
     keeper = qwen_keeper(server="auto")
     with ChatServer(assets.tokenizer_dir("qwen2"), chat_template=assets.template(QWEN["template"])) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
-        with pytest.warns(ck.servers.DetectionWarning, match=r"could not tell.*asked /v1/models, /props.*Fix: ContextKeeper"):
+        with pytest.warns(
+            ck.servers.DetectionWarning, match=r"could not tell.*asked /v1/models, /props.*Fix: ContextKeeper"
+        ):
             wrapped = keeper.wrap(client)
         reply = wrapped.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
     assert keeper.server.name == "vllm"
