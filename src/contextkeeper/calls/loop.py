@@ -42,16 +42,13 @@ its own answer. The fit is per sequence and unchanged: the prompt plus one answe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import dataclasses
 import inspect
 import logging
 import math
-import sys
 import threading
 import time
-import warnings
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Generator, Mapping
@@ -64,7 +61,6 @@ from .._exceptions import (
     ContextLengthExceeded,
     DriftWarning,
     OutOfMemory,
-    ProviderError,
     RequestTooLarge,
     StreamInterrupted,
     TranscriptUnavailable,
@@ -72,14 +68,14 @@ from .._exceptions import (
 )
 from ..fit.budget import Reserve
 from ..fit.report import Fit
-from ..servers.dialects import DIALECTS, Dialect
-from ..servers.kinds import Drift, fewer_advice, kind_of_error
+from ..servers.dialects import Dialect
 from ..tokens.media import PART_MODALITY
 from . import tracing
 from .admission import Admitting
 from .base import Backend, Reply, Request
-from .errors import Attempted, Failure, classify, provider_error
+from .errors import classify
 from .recording import CallRecord
+from .recovery import Recovery, _Drift, _ordinal
 from .shared import ServerFacts, WrittenFacts, lower_median
 
 if TYPE_CHECKING:
@@ -211,15 +207,6 @@ def sequences_of(params: Mapping[str, Any]) -> int:
     return most
 
 
-@dataclass(eq=False)
-class _Drift:
-    """One drift (server count minus ours) of a plain request: measured on a reply, or implied by a refusal."""
-
-    at: float  # time.monotonic()
-    tokens: int
-    source: str  # "reply" | "refusal"
-
-
 @dataclass
 class _Scoped:
     """What one conversation's requests with one feature set cost beyond our count, on one server."""
@@ -228,10 +215,6 @@ class _Scoped:
     at: float  # time.monotonic() when learned
     source: str  # "reply" | "refusal"
     limit: int | None = None  # derived from an overshoot refusal of this scope (not a server-wide fact)
-
-
-def _ordinal(n: int) -> str:
-    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 @dataclass
@@ -618,20 +601,12 @@ class Call:
         self.features: frozenset[str] = frozenset()  # what our count cannot see (begin): picks what is withheld
         self.charged = self.features  # those the fitted prompt kept (media can be trimmed): where drifts go
         self.session: Session | None = None  # the conversation's session: it owns the scoped offsets
-        self.shrink = 0  # tokens withheld after refusals without numbers, or out-of-memory errors
-        self.cap: int | None = None  # prompt cap after an out-of-memory error
-        self.implied = 0  # what this call's refusals implied the server counts beyond ours (for its own retries)
-        self.drift: _Drift | None = None  # this call's drift in the server's window (one per call: the latest)
-        self.checking = False  # this attempt was sent without the learned offsets, to measure them (a probe)
-        self.checked = False
-        self.sent_offset: tuple[int, str | None] = (0, None)  # what the last attempt sent kept free, and why
         self.attempts = 0
         self.sent = 0  # requests that went to the backend (an attempt refused by our own checks never did)
-        self.recoveries: list[str] = []
-        self.transport_failures: list[Failure] = []  # what the backoff reads: how many, and any Retry-After
         self.fit: Fit | None = None
         self.admitting = Admitting(calls, backend.server, options.lease if params.get("stream") else None)
         self.recording = CallRecord(calls.transcript, options.conversation, messages, self.tools)
+        self.recovery = Recovery(self)
         self.started = time.perf_counter()
         self.trace: tracing.CallTrace | None = None  # its spans, when a tracer provider is set
 
@@ -668,7 +643,7 @@ class Call:
         report = fit.report
         if withheld:
             answer = self.answer
-            reasons = ", ".join(why for why, _ in self._reasons(trusted))
+            reasons = ", ".join(why for why, _ in self.recovery.reasons(trusted))
             why = f"{withheld:,} tokens withheld below the limit ({reasons})"
             report = report.with_slots(
                 lambda slots: {**slots, "answer": answer, "withheld": withheld},
@@ -682,7 +657,7 @@ class Call:
 
     def _reserve(self, withheld: int, trusted: bool) -> Reserve:
         """How this fit's reserve is made up, for the keeper's errors: the answer's setting and what is withheld."""
-        reasons = self._reasons(trusted) if withheld else []
+        reasons = self.recovery.reasons(trusted) if withheld else []
         return Reserve(
             answer_setting=self.answer_key,
             withheld=withheld,
@@ -690,132 +665,34 @@ class Call:
             fix="; or ".join(dict.fromkeys(fix for _, fix in reasons)),
         )
 
-    def _reasons(self, trusted: bool = False) -> list[tuple[str, str]]:
-        """Why tokens are withheld below the keeper's limit, each with what would free them."""
-        reasons = []
-        limit = self._limit()
-        if limit is not None and limit < self.keeper.limit:
-            reasons.append(
-                (
-                    f"the server's own limit is {limit:,}, learned from its refusal",
-                    "raise the server's context (vLLM --max-model-len, llama.cpp --ctx-size, Ollama num_ctx): "
-                    "context_window is not what binds",
-                )
-            )
-        hidden, _, why = self._offset(trusted)
-        if hidden:
-            wait = self._probe_wait()
-            if wait:
-                why += f"; a check without it went to the server recently, the next may go in {wait:.0f} s"
-            reasons.append(
-                (
-                    f"the server counts {hidden:,} tokens we cannot see ({why})",
-                    "pass the server's own chat template and tokenizer, or have it add fewer tokens of its own "
-                    "(a hidden system prompt)",
-                )
-            )
-        if self.shrink and not trusted:
-            reasons.append(
-                (
-                    f"{self.shrink:,} after refusals without numbers",
-                    "set context_window to the server's context (vLLM max_model_len, llama.cpp n_ctx)",
-                )
-            )
-        if self.cap is not None:
-            reasons.append(
-                (
-                    f"prompt capped at {self.cap:,} after running out of memory",
-                    "free GPU memory (a smaller KV dtype, fewer sequences at once)",
-                )
-            )
-        if self.admitting.granted is not None:
-            reasons.append(
-                (
-                    f"admission granted {self.admitting.granted:,} tokens while other calls held the rest",
-                    "lower concurrency, or give the KV cache more room",
-                )
-            )
-        return reasons or [("admission", "lower concurrency")]
-
-    def _scope(self) -> _Scoped | None:
-        """This conversation's learned offset for requests with these features (None for a plain request)."""
-        if not self.features or self.session is None:
-            return None
-        return self.calls.scoped(self.session, self.backend.server, self.features)
-
-    def _limit(self) -> int | None:
-        """The server's limit for this request: server-wide, and its scope's own (from an overshoot) when less."""
-        limit = self.calls.limit(self.server)
-        scope = self._scope()
-        if scope is not None and scope.limit is not None:
-            limit = scope.limit if limit is None else min(limit, scope.limit)
-        return limit
-
-    def _offset(self, trusted: bool = False) -> tuple[int, str | None, str]:
-        """``(tokens, label, why)``: what this attempt keeps free for what the server counts beyond our count, where
-        it comes from (see :attr:`CallReport.hidden_from`) and why, in words. ``trusted``: the probe, without any."""
-        if trusted:
-            return 0, "probe" if self.checking else None, ""
-        scope = self._scope()
-        learned: tuple[int, str | None, str]
-        if scope is not None:
-            kinds = ", ".join(sorted(self.features))
-            how = "measured on" if scope.source == "reply" else "implied by a refusal of"
-            learned = (scope.hidden, "scope", f"{how} this conversation's requests with {kinds}")
-        else:
-            limit = self._limit()
-            learned = self.calls.plain(self.server, min(self.keeper.limit, limit or self.keeper.limit))
-        if self.implied > learned[0]:
-            return self.implied, "refusal", "implied by this call's refusal"
-        return learned
-
-    def _probe_key(self) -> tuple[str, str | None, frozenset[str]]:
-        scoped = self.options.conversation if self.features else None
-        return self.backend.server, scoped, self.features
-
-    def _probe_wait(self) -> float:
-        """Seconds until this request's scope may be probed again (0: now)."""
-        last = self.calls.probes.get(self._probe_key())
-        every = self.calls.rules.probe_every
-        return 0.0 if last is None else max(0.0, every - (time.monotonic() - last))
-
-    def _withheld(self, trusted: bool = False) -> int:
-        limit = self.keeper.limit
-        server_limit = self._limit()
-        hidden = self._offset(trusted)[0]
-        effective = min(limit, server_limit or limit) - hidden - (0 if trusted else self.shrink)
-        if self.cap is not None:
-            effective = min(effective, self.cap + self.answer)
-        return max(0, limit - effective)
-
     def prepare(self) -> Generator[tuple[int, int], Ticket, Request]:
         """Fit under everything learned so far, then ask the driver for room in the ledger (it yields
         ``(tokens, minimum)`` and receives the ticket; sync and async drivers wait differently)."""
         self.attempts += 1
-        self.checking = False
+        self.recovery.checking = False
         self.admitting.granted = None
         if self.features and self.session is None:
             # (the session the fit uses: kept while the call runs, so what is learned lands where it was measured)
             self.session = self.keeper.session(self.options.conversation)
-        withheld = self._withheld()
+        withheld = self.recovery.withheld()
         try:
             fit = self._fit(withheld)
         except RequestTooLarge as refused:
             # Learned offsets may be wrong (a server that overstated a prompt, a drift no longer there): rather
             # than refuse this request, and every later one, send it once without them and learn from the answer.
             # At most once per call, and per server and scope once per probe_every seconds.
-            trusted = self._withheld(trusted=True)
-            if self.checked or trusted >= withheld:
+            trusted = self.recovery.withheld(trusted=True)
+            if self.recovery.checked or trusted >= withheld:
                 raise
-            why = self._offset()[2]
+            why = self.recovery.offset()[2]
             fit = self._fit(trusted, trusted=True)
-            if self.calls.probe(self._probe_key()) > 0:  # probed recently: the reasons say when the next may go
+            if self.calls.probe(self.recovery.probe_key()) > 0:  # probed recently: the reasons say when the next may go
                 raise refused from None
-            self.recoveries.append(
+            self.recovery.recoveries.append(
                 f"the {withheld - trusted:,} tokens withheld for what the server counts beyond our count ({why}) "
                 "left no room for the request: sent without them once, to check them"
             )
-            self.checking = self.checked = True
+            self.recovery.checking = self.recovery.checked = True
             withheld = trusted
         if self.calls.ledger is not None:
             answers = self.sequences * self.answer  # n sequences share the prompt's blocks, each has its answer
@@ -826,18 +703,18 @@ class Call:
             # Through a facts ledger the admission read the replicas' facts (none: there are none, or all expired).
             records = WrittenFacts.array(ticket.facts) if ticket.facts else []
             read = self.calls.facts_ledger is not None and self.calls.adopt(self.backend.server, records)
-            if read and self._withheld(self.checking) > withheld:
+            if read and self.recovery.withheld(self.recovery.checking) > withheld:
                 # Another replica learned the server meanwhile (read with the admission): fit under it, and hold
                 # only what that prompt needs.
-                withheld = self._withheld(self.checking)
-                fit = self._fit(withheld, trusted=self.checking)
+                withheld = self.recovery.withheld(self.recovery.checking)
+                fit = self._fit(withheld, trusted=self.recovery.checking)
                 need = fit.tokens + answers
                 if need < ticket.tokens:
                     ticket.resize(need)
             if ticket.tokens < need:  # mode "shrink": fit again into what was granted
                 self.admitting.granted = ticket.tokens
                 room = ticket.tokens - answers + self.answer  # for the prompt and one answer
-                fit = self._fit(max(withheld, self.keeper.limit - room), trusted=self.checking)
+                fit = self._fit(max(withheld, self.keeper.limit - room), trusted=self.recovery.checking)
                 ticket.resize(fit.tokens + answers)
                 self.admitting.status = f"shrunk to {fit.tokens + answers:,} tokens"
             elif ticket.waited:
@@ -845,7 +722,7 @@ class Call:
             else:
                 self.admitting.status = "admitted"
         self.fit = fit
-        self.sent_offset = self._offset(self.checking)[:2]
+        self.recovery.sent_offset = self.recovery.offset(self.recovery.checking)[:2]
         if self.features:
             self.charged = request_features(fit.messages, self.params)
         self.recording.durable()  # write-ahead: nothing leaves before the inputs are committed
@@ -904,79 +781,7 @@ class Call:
             self.trace.failed(exc, failure.kind)
         if failure.kind == "other":
             raise exc
-        raise self._learn(failure) from exc
-
-    def _learn(self, failure: Failure) -> ProviderError:
-        """Learn what ``failure`` says about the server (its limit, hidden tokens) or the model (its memory),
-        note the recovery, and give the error to raise if no attempt is left (worded in :mod:`.errors`)."""
-        fit = self.fit
-        sent = fit.tokens if fit is not None else 0
-        if failure.kind == "context":
-            before = self._withheld()
-            note = ""
-            name = self.backend.server
-            with self.calls.lock:
-                server = self.server
-                server.rejects += 1
-                server.kind = server.kind or kind_of_error(failure.message)
-                if failure.limit is not None:
-                    server.limit = failure.limit  # the server's max_model_len: a fact of the server, not the request
-                if failure.prompt_tokens is not None and failure.prompt_tokens > sent:
-                    implied = failure.prompt_tokens - sent
-                    self.implied = max(self.implied, implied)  # this call's retries keep it free at once
-                    if self.checking:
-                        note = ", refused without the learned offsets too"
-                    if self.charged and self.session is not None:
-                        self.calls.charge(self.session, name, self.charged, hidden=implied, source="refusal")
-                        note += f"; charged to this conversation's requests with {', '.join(sorted(self.charged))}"
-                    else:
-                        self._drift(implied, "refusal")
-                        ceiling = min(self.keeper.limit, self._limit() or self.keeper.limit)
-                        most = int(ceiling * self.calls.rules.share)
-                        if implied > most:
-                            note += (
-                                f"; later calls keep at most {most:,} of it ({self.calls.rules.share:.0%} of the limit)"
-                            )
-                if failure.excess and failure.limit is None:
-                    # Only the overshoot is known: the limit is at most what we sent less that. For a request with
-                    # features the overshoot includes what they cost, so that limit is the scope's alone.
-                    derived = sent - failure.excess
-                    if self.charged and self.session is not None:
-                        self.calls.charge(self.session, name, self.charged, limit=derived)
-                    else:
-                        server.limit = min(server.limit or self.keeper.limit, derived)
-            self.calls.push(name)
-            if self._withheld() <= before:  # nothing new learned: step down, further each time
-                step = max(64, self.keeper.limit // 20)
-                self.shrink = max(step, 2 * self.shrink)
-            self.recoveries.append(
-                f"refused for length ({sent:,} tokens sent; server said limit {failure.limit}, prompt "
-                f"{failure.prompt_tokens}{note}): refit {self._withheld():,} tokens below the limit"
-            )
-        elif failure.kind == "oom":
-            self.cap = max(1, (sent * 3) // 4)
-            self.recoveries.append(f"out of memory at {sent:,} prompt tokens: refit to at most {self.cap:,}")
-        else:
-            self.recoveries.append(f"transport error: {failure.message[:120]}")
-            self.transport_failures.append(failure)
-        attempted = Attempted(
-            sent=sent,
-            answer=self.answer,
-            answer_key=self.answer_key,
-            attempts=self.attempts,
-            report=fit.report if fit is not None else None,
-        )
-        return provider_error(failure, attempted)
-
-    def wait(self, exc: BaseException | None) -> float:
-        """Seconds before the next attempt: only transport errors wait."""
-        if not isinstance(exc, TransportError) or not self.transport_failures:
-            return 0.0
-        failure = self.transport_failures[-1]
-        if failure.retry_after is not None:
-            return min(failure.retry_after, self.options.max_backoff)
-        tries = len(self.transport_failures)
-        return float(min(self.options.backoff * 2 ** max(0, tries - 1), self.options.max_backoff))
+        raise self.recovery.learn(failure) from exc
 
     def done(self, reply: Reply) -> Any:
         if not reply.pending:
@@ -1011,8 +816,8 @@ class Call:
                         self.session, name, self.charged, hidden=drift, source="reply", accepted=reply.prompt_tokens
                     )
                 else:
-                    self._drift(drift, "reply")
-                self.implied = 0
+                    self.recovery.note_drift(drift, "reply")
+                self.recovery.implied = 0
                 # Once per server for plain requests, and once for requests with features (another cause).
                 warned = "scope_warned" if self.charged else "drift_warned"
                 warn = drift != 0 and not getattr(server, warned)
@@ -1020,8 +825,8 @@ class Call:
                     setattr(server, warned, True)
             self.calls.push(name)
             if warn:
-                self._warn_drift(fit, reply.prompt_tokens, drift)
-        if self.recoveries:
+                self.recovery.warn_drift(fit, reply.prompt_tokens, drift)
+        if self.recovery.recoveries:
             with self.calls.lock:
                 self.server.recoveries += 1
         report = self._reported(reply, drift)
@@ -1031,59 +836,6 @@ class Call:
         if monitor is not None:
             monitor.request_done(label=f"call {self.calls.calls}")
         return None
-
-    def _drift(self, tokens: int, source: str) -> None:
-        """Put this call's drift in the server's window of plain requests, in place of the one it put there before
-        (each call counts once: what its reply measured, else what its last refusal implied). Under the lock."""
-        window = self.server.drifts
-        if self.drift is not None:
-            with contextlib.suppress(ValueError):  # (it may have rolled out of the window meanwhile)
-                window.remove(self.drift)
-        self.drift = _Drift(at=time.monotonic(), tokens=tokens, source=source)
-        window.append(self.drift)
-
-    def _warn_drift(self, fit: Fit, counted: int, drift: int) -> None:
-        text = (
-            f"{self.backend.server} counted {counted:,} prompt tokens where the keeper counted {fit.tokens:,} "
-            f"({drift:+,})."
-        )
-        rules = self.calls.rules
-        if drift > 0 and self.charged:
-            kinds = ", ".join(sorted(self.charged))
-            advice = (
-                f" The request carried {kinds}, which the server renders into the prompt and the keeper cannot "
-                f"count: this conversation's later requests with {kinds} keep {drift:,} tokens free; other "
-                "requests are not affected. Fix: none needed"
-            )
-        elif drift > 0:
-            advice = (
-                f" Later calls keep it free while replies agree (the {_ordinal(rules.agree)} largest of the last "
-                f"{rules.window} drifts, at most {rules.share:.0%} of the limit). Fix: pass the server's own chat "
-                "template (chat_template=...) and tokenizer"
-            )
-        else:
-            last = fit.messages[-1] if fit.messages else None
-            role = last.get("role") if isinstance(last, dict) else getattr(last, "role", None)
-            strict = sum(
-                1
-                for tool in self.tools or ()
-                if isinstance(tool, dict) and isinstance(tool.get("function"), dict) and "strict" in tool["function"]
-            )
-            advice = fewer_advice(
-                self.server.kind, Drift(tokens=-drift, final_assistant=role == "assistant", strict_tools=strict)
-            )
-        warnings.warn(text + self._dialect_advice() + advice, DriftWarning, stacklevel=_caller_level())
-
-    def _dialect_advice(self) -> str:
-        """The likeliest cause when the server is one whose preprocessing the keeper does not follow."""
-        kind, dialect = self.server.kind, self.keeper.server
-        if kind is None or dialect is None or kind not in DIALECTS or kind == dialect.name:
-            return ""
-        return (
-            f" The server is {kind}, and the keeper counts {dialect.name}'s preprocessing (roles, tool schemas, "
-            f"BOS, a final assistant message and more differ). Fix: ContextKeeper(..., server={kind!r}) "
-            "(docs/dialects.md)."
-        )
 
     def _broke(self, reply: Reply) -> BaseException | None:
         """A stream that did not end normally: map what broke it, and record the call as failed with what had
@@ -1110,6 +862,11 @@ class Call:
         return error if isinstance(error, BaseException) else None
 
     @property
+    def recoveries(self) -> list[str]:
+        """What the call recovered from, in order (refusals, out of memory, transport errors)."""
+        return self.recovery.recoveries
+
+    @property
     def admission(self) -> str:
         """How the call was admitted: "unlimited", "admitted", "waited 0.42 s" or "shrunk to N tokens"."""
         return self.admitting.status
@@ -1123,17 +880,17 @@ class Call:
         fit = self.fit
         tokens = fit.tokens if fit is not None else 0
         kv_bytes, share = self.keeper.kv_bytes(tokens + self.sequences * self.answer)
-        hidden, hidden_from = self.sent_offset
+        hidden, hidden_from = self.recovery.sent_offset
         report = CallReport(
             server=self.backend.server,
             attempts=self.attempts,
-            recoveries=tuple(self.recoveries),
+            recoveries=tuple(self.recovery.recoveries),
             tokens=tokens,
             max_tokens=self.answer,
             server_prompt_tokens=reply.prompt_tokens if reply is not None else None,
             completion_tokens=reply.completion_tokens if reply is not None else None,
             drift=drift,
-            withheld=self._withheld(),
+            withheld=self.recovery.withheld(),
             admission=self.admitting.status,
             kv_bytes=kv_bytes,
             kv_share=share,
@@ -1144,7 +901,7 @@ class Call:
             cached_tokens=_cached(reply),
             prefix_tokens=fit.report.prefix_tokens if fit is not None else None,
             hidden=hidden,
-            hidden_from=hidden_from if hidden or self.checking else None,  # (a probe keeps nothing free)
+            hidden_from=hidden_from if hidden or self.recovery.checking else None,  # (a probe keeps nothing free)
             features=tuple(sorted(self.features)),
             sequences=self.sequences,
         )
@@ -1208,20 +965,6 @@ def _cached(reply: Reply | None) -> int | None:
     return int(known) if isinstance(known, int) else cached_tokens_of(reply.result)
 
 
-_INSIDE = ("contextkeeper.", "tenacity", "openai", "httpx", "asyncio", "concurrent.")
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` that points a warning at the application's line that made the call, past our own
-    frames and the retry, SDK and event-loop frames between them."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith(_INSIDE):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
 def _advance(steps: Generator[tuple[int, int], Ticket, Request], ticket: Ticket | None) -> tuple[int, int] | Request:
     """The next admission request of ``steps``, or its Request when done (StopIteration cannot cross threads)."""
     try:
@@ -1238,7 +981,7 @@ def _retrying(call: Call, cls: Any) -> Any:
         # A transcript that cannot store the inputs is not the provider's transport: no retry sends them again.
         retry=tenacity.retry_if_exception_type((ContextLengthExceeded, OutOfMemory, TransportError))
         & tenacity.retry_if_not_exception_type(TranscriptUnavailable),
-        wait=lambda state: call.wait(state.outcome.exception() if state.outcome else None),
+        wait=lambda state: call.recovery.wait(state.outcome.exception() if state.outcome else None),
         reraise=True,
     )
 
