@@ -89,12 +89,6 @@ def _reads_facts(ledger: object, shared: object) -> bool:
     return isinstance(ledger, RedisLedger) and isinstance(shared, SharedState) and ledger.url == shared.url
 
 
-def _is_shared_state(value: object) -> bool:
-    from .calls.shared import SharedState
-
-    return isinstance(value, SharedState)
-
-
 async def _awaited(value: Awaitable[Any]) -> Any:
     return await value
 
