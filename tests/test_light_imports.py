@@ -49,8 +49,9 @@ HEAVY_TRANSFORMERS = (
     "transformers.tokenization_utils_base",
     "transformers.tokenization_utils_tokenizers",
 )
-# The Hugging Face paths read the tokenizer with the tokenizers library: no other tokenizer library either.
-HF_EXTRA = frozenset({"sentencepiece", "mistral_common", "tiktoken"})
+# The Hugging Face paths read the tokenizer with the tokenizers library and render templates in our own copy of
+# transformers' Jinja environment: neither transformers nor another tokenizer library.
+HF_EXTRA = frozenset({"transformers", "sentencepiece", "mistral_common", "tiktoken"})
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many tokens is this?"}]
 
 # Runs in the fresh interpreter: the entry point, then one JSON line with every module imported.

@@ -32,7 +32,6 @@ ALLOWED = {
     "strategies/base.py:_SETTINGS": "registry: each strategy's settings model, added with it",
     "tokens/loading.py:_LOADED": "process resource: the light tokenizers in use, shared by the counters of one "
     "tokenizer (weak references: gone with the last counter), never copied per counter",
-    "tokens/_sandbox.py:_REFERENCE": "a lazily built singleton: the reference environment for the slow path",
     "tokens/render/split.py:CHECKS": "registry: the named split checks, in order, added at import",
     "calls/transcript/base.py:_OWNERS": "process identity: this process as stored with its calls "
     "(must not change while it runs)",

@@ -1,11 +1,11 @@
 """Sandboxed, bounded Jinja rendering of chat templates, identical in output to transformers' own.
 
 Chat templates are untrusted code from model repositories, so they only ever run in Jinja's
-``ImmutableSandboxedEnvironment``. We copy the filters, globals, tests and extensions of the environment
-transformers builds (so ``raise_exception``, ``strftime_now``, ``tojson`` and ``{% generation %}`` behave the
-same) and add fast paths for what templates mostly do — ``message.role`` on plain dicts, ``text.strip()`` on
-strings, ``ns.flag`` on namespaces — which skip the generic sandbox probing. Each returns the same value the
-sandbox would (none of those names is unsafe on those types), and the checks still apply to everything else.
+``ImmutableSandboxedEnvironment``, configured as transformers configures it (:mod:`._chat_rules`: so
+``raise_exception``, ``strftime_now``, ``tojson`` and ``{% generation %}`` behave the same), with fast paths for
+what templates mostly do — ``message.role`` on plain dicts, ``text.strip()`` on strings, ``ns.flag`` on
+namespaces — which skip the generic sandbox probing. Each returns the same value the sandbox would (none of those
+names is unsafe on those types), and the checks still apply to everything else.
 
 The sandbox stops a template from escaping, not from running forever or filling memory, so every render is
 also bounded (:class:`TemplateLimits`): loop iterations and calls (``steps``), characters written (``output``,
@@ -49,6 +49,7 @@ from jinja2.utils import Namespace, _PassArg, pass_context
 from .._exceptions import ChatTemplateError, ConfigurationError, TemplateLimitExceeded
 from .._memo import IdentityMemo, approx_size, data_size, memoize
 from .._memo import same_values as same_values
+from ._chat_rules import CHAT_RULES
 from .render import LoopState
 from .render.settle import ITEMS, NO_PLAN, SettlePlan, settle
 
@@ -1087,18 +1088,6 @@ FROZEN_JSON = FrozenJSON()
 
 # ------------------------------------------------------------------------------------------------- compile
 
-_REFERENCE: list[Any] = []  # transformers' environment, built once
-
-
-def _reference_environment() -> Any:
-    if not _REFERENCE:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        # Every call builds the same environment; compiling a constant template gets it without compiling (and
-        # caching in transformers) the caller's template.
-        _REFERENCE.append(_compile_jinja_template("{{ '' }}").environment)
-    return _REFERENCE[0]
-
 
 def _template_size(key: Any, template: Any) -> int:
     # A compiled template is Python code objects and the nodes they came from: 11 to 52 bytes per source character
@@ -1222,16 +1211,16 @@ def compile_template(source: str, settle_scans: bool = True, values: str = "pyth
     whose engine's way of writing a value ``{{ x }}`` follows ("python", or "llama.cpp": :func:`c_value`); pass
     it by position, as the memo keys by position. Raises what Jinja raises (``TemplateSyntaxError`` and
     friends)."""
-    reference = _reference_environment()
+    rules = CHAT_RULES
     env = _SANDBOXES[settle_scans](
-        trim_blocks=reference.trim_blocks,
-        lstrip_blocks=reference.lstrip_blocks,
-        extensions=[type(ext) for ext in reference.extensions.values()],
+        trim_blocks=rules.trim_blocks,
+        lstrip_blocks=rules.lstrip_blocks,
+        extensions=list(rules.extensions),
         finalize=_ENGINES[values].finalize,
     )
     engine = _ENGINES[values]
     env.concat_text = engine.concat_text
-    env.filters.update(reference.filters)
+    env.filters.update(rules.filters)
     if "tojson" in env.filters:
         env.filters["tojson"] = FROZEN_JSON.wrap(_ruled_tojson(env.filters["tojson"]))
     if "trim" in env.filters:
@@ -1241,7 +1230,7 @@ def compile_template(source: str, settle_scans: bool = True, values: str = "pyth
     for name, check in _FILTER_CHECKS.items():
         if name in env.filters:
             env.filters[name] = _bounded_filter(env.filters[name], check)
-    env.globals.update(reference.globals)
+    env.globals.update(rules.globals)
     made = env.globals.get("namespace")
     if isinstance(made, type) and issubclass(made, Namespace):
         env.namespace_types = frozenset({Namespace, made})
@@ -1250,7 +1239,6 @@ def compile_template(source: str, settle_scans: bool = True, values: str = "pyth
         if callable(original):
             env.globals[name] = bound(original)
     env.direct_callables = frozenset({*env.namespace_types, env.globals.get("range")} - {None})
-    env.tests.update(reference.tests)
     return env.from_string(source)
 
 
