@@ -7,6 +7,8 @@ case of tests/server_corpus.py is sent to ``/v1/chat/completions`` (``max_tokens
 The server's ``usage.prompt_tokens`` and prompt text are stored beside the case: our own recorded data.
 
     python scripts/record_llama_server.py [--only qwen2]
+    python scripts/record_llama_server.py --more        # the corpus on MORE_PAIRS: tests/fixtures/llama_server_more/
+    python scripts/record_llama_server.py --numbers     # number probes on every pair: tests/fixtures/llama_numbers.json
 """
 
 from __future__ import annotations
@@ -37,15 +39,45 @@ FIXTURES = ROOT / "tests" / "fixtures" / "llama_server"
 ANSWERS = ROOT / "tests" / "fixtures" / "detection" / "llama-server.json"
 ENGINE = ROOT / "tests" / "fixtures" / "llama_engine.json"
 CONTINUATION = ROOT / "tests" / "fixtures" / "llama_continuation.json"
+NUMBERS = ROOT / "tests" / "fixtures" / "llama_numbers.json"
+MORE_FIXTURES = ROOT / "tests" / "fixtures" / "llama_server_more"
 # What server detection asks (src/contextkeeper/servers/detection.py SIGNS), recorded as the server answered.
 ASKED = ("/v1/models", "/props", "/api/version", "/get_server_info", "/version")
-# vocabulary -> chat template (tokenizer folder = tests/assets.tokenizer_dir(vocab))
+# recording -> chat template; a recording is named by its vocabulary (tokenizer folder =
+# tests/assets.tokenizer_dir(vocab)), and "<vocab>@<what>" for a second template over the same vocabulary.
 PAIRS = {
     "qwen2": "Qwen-Qwen3-0.6B",
     "llama-bpe": "meta-llama-Llama-3.3-70B-Instruct",
     "gemma-4": "google-gemma-4-31B-it",
     "phi-3": "microsoft-Phi-3.5-mini-instruct",
 }
+# Recorded into tests/fixtures/llama_server_more/ (the vLLM and SGLang recordings follow PAIRS only).
+MORE_PAIRS = {
+    # Meta's original Llama 3 template: BOS written inside the message loop, on the first message.
+    "llama-bpe@llama3-original": assets.PYTHON_TEMPLATES + "LLAMA3_INSTRUCT_CHAT_TEMPLATE",
+}
+ALL_PAIRS = {**PAIRS, **MORE_PAIRS}
+
+
+def vocab_of(recording: str) -> str:
+    """The vocabulary of a recording (its name up to any ``@``)."""
+    return recording.partition("@")[0]
+
+
+def template_path(recording: str) -> Path:
+    """The file of a recording's chat template."""
+    MODELS.mkdir(parents=True, exist_ok=True)
+    return assets.template_file(ALL_PAIRS[recording], MODELS)
+
+
+def model_path(recording: str) -> Path:
+    """The tiny model around a recording's vocabulary, made on first use."""
+    vocab = vocab_of(recording)
+    model = MODELS / f"{vocab}.gguf"
+    if not model.exists():
+        MODELS.mkdir(parents=True, exist_ok=True)
+        tiny_model(assets.gguf_file(vocab), model)
+    return model
 
 
 def _free_port() -> int:
@@ -162,59 +194,62 @@ def record_engine() -> None:
     print(f"{ENGINE.relative_to(ROOT)}: {len(recorded)} cases")
 
 
+def _write(path: Path, fixture: dict[str, Any], what: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    print(f"{path.relative_to(ROOT)}: {what}")
+
+
+def _stamp() -> dict[str, Any]:
+    return {"server": f"llama-server {version()}", "recorded": dt.date.today().isoformat()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=sorted(PAIRS), action="append")
+    parser.add_argument("--only", choices=sorted(ALL_PAIRS), action="append")
     parser.add_argument("--answers", action="store_true", help="record only what detection asks (first pair)")
     parser.add_argument("--engine", action="store_true", help="record only the engine probes (our own template)")
     parser.add_argument("--continuation", action="store_true", help="record only the reasoning continuations")
+    parser.add_argument("--numbers", action="store_true", help="record only the number probes, on every pair")
+    parser.add_argument("--more", action="store_true", help="record the corpus on the pairs beyond the main four")
     args = parser.parse_args()
     if not BINARY.exists():
         sys.exit(f"{BINARY} is missing: run `bash scripts/build_llama_server.sh` first")
     MODELS.mkdir(parents=True, exist_ok=True)
-    FIXTURES.mkdir(parents=True, exist_ok=True)
     if args.engine:
         record_engine()
         return
-    continued: dict[str, Any] = {}
-    for vocab in args.only or PAIRS:
-        model = MODELS / f"{vocab}.gguf"
-        if not model.exists():
-            tiny_model(assets.gguf_file(vocab), model)
-        template = assets.ASSETS / "templates" / f"{PAIRS[vocab]}.jinja"
-        with LlamaServer(model, template) as server:
-            if args.continuation:
-                continued[vocab] = {
-                    "template": PAIRS[vocab],
-                    "cases": [server.record(case) for case in server_corpus.continuation_cases()],
-                }
-                continue
+    chosen = args.only or (ALL_PAIRS if args.numbers else MORE_PAIRS if args.more else PAIRS)
+    by_pair: dict[str, Any] = {}
+    for recording in chosen:
+        with LlamaServer(model_path(recording), template_path(recording)) as server:
             if args.answers:
-                ANSWERS.parent.mkdir(parents=True, exist_ok=True)
-                answers = {"server": f"llama-server {version()}", "recorded": dt.date.today().isoformat()}
-                answers["answers"] = server.answers()
-                ANSWERS.write_text(json.dumps(answers, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-                print(f"{ANSWERS.relative_to(ROOT)}: {len(ASKED)} endpoints")
+                _write(ANSWERS, {**_stamp(), "answers": server.answers()}, f"{len(ASKED)} endpoints")
                 return
-            recorded = [server.record(case) for case in server_corpus.cases()]
+            probes = (
+                server_corpus.continuation_cases()
+                if args.continuation
+                else server_corpus.number_cases()
+                if args.numbers
+                else server_corpus.cases()
+            )
+            recorded = [server.record(case) for case in probes]
+        if args.continuation or args.numbers:
+            by_pair[recording] = {"template": ALL_PAIRS[recording], "cases": recorded}
+            continue
         fixture = {
-            "server": f"llama-server {version()}",
+            **_stamp(),
             "source": "llama-cpp-python 0.3.36 sdist, vendor/llama.cpp",
-            "recorded": dt.date.today().isoformat(),
-            "vocab": vocab,
-            "template": PAIRS[vocab],
+            "vocab": vocab_of(recording),
+            "template": ALL_PAIRS[recording],
             "cases": recorded,
         }
-        path = FIXTURES / f"{vocab}.json"
-        path.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-        print(
-            f"{path.relative_to(ROOT)}: {len(recorded)} cases, "
-            f"{sum(case['prompt_tokens'] is None for case in recorded)} refused"
-        )
-    if continued:
-        fixture = {"server": f"llama-server {version()}", "recorded": dt.date.today().isoformat(), "pairs": continued}
-        CONTINUATION.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-        print(f"{CONTINUATION.relative_to(ROOT)}: {sum(len(p['cases']) for p in continued.values())} cases")
+        folder = FIXTURES if recording in PAIRS else MORE_FIXTURES
+        refused = sum(case["prompt_tokens"] is None for case in recorded)
+        _write(folder / f"{recording}.json", fixture, f"{len(recorded)} cases, {refused} refused")
+    if by_pair:
+        path = CONTINUATION if args.continuation else NUMBERS
+        _write(path, {**_stamp(), "pairs": by_pair}, f"{sum(len(p['cases']) for p in by_pair.values())} cases")
 
 
 if __name__ == "__main__":

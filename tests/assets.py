@@ -55,8 +55,52 @@ def require_assets() -> None:
         raise RuntimeError(f"test assets in {ASSETS} are incomplete{detail}; run `{FETCH_COMMAND}`")
 
 
+# Templates llama-cpp-python's own Python code holds (llama_cpp/llama_chat_format.py), read from the sdist the
+# assets come from: "llama-cpp-python:LLAMA3_INSTRUCT_CHAT_TEMPLATE" is Meta's original Llama 3 template (BOS
+# written inside the message loop).
+PYTHON_TEMPLATES = "llama-cpp-python:"
+_PYTHON_TEMPLATE_CACHE: dict[str, str] = {}
+
+
+def _python_template(constant: str) -> str:
+    if constant not in _PYTHON_TEMPLATE_CACHE:
+        import ast
+        import tarfile
+
+        sdists = sorted((ASSETS / "downloads").glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            require_assets()
+            raise FileNotFoundError(f"no llama-cpp-python sdist in {ASSETS / 'downloads'}; run `{FETCH_COMMAND}`")
+        with tarfile.open(sdists[-1], "r:gz") as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("/llama_cpp/llama_chat_format.py"))
+            source = tar.extractfile(member)
+            assert source is not None
+            tree = ast.parse(source.read().decode("utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == constant for t in node.targets):
+                assert isinstance(node.value, ast.Constant)
+                _PYTHON_TEMPLATE_CACHE[constant] = str(node.value.value)
+                break
+        else:
+            raise FileNotFoundError(f"llama_chat_format.py in {sdists[-1].name} has no {constant}")
+    return _PYTHON_TEMPLATE_CACHE[constant]
+
+
+def template_file(name: str, folder: Path) -> Path:
+    """A file holding template ``name``: its asset file, or (for a llama-cpp-python one) a copy written in
+    ``folder``."""
+    if not name.startswith(PYTHON_TEMPLATES):
+        return ASSETS / "templates" / (name if name.endswith(".jinja") else f"{name}.jinja")
+    path = folder / f"{name.removeprefix(PYTHON_TEMPLATES)}.jinja"
+    path.write_text(template(name), encoding="utf-8")
+    return path
+
+
 def template(name: str) -> str:
-    """The text of ``templates/<name>.jinja`` (``name`` with or without the ``.jinja`` suffix)."""
+    """The text of ``templates/<name>.jinja`` (``name`` with or without the ``.jinja`` suffix), or of a template
+    llama-cpp-python's code holds (``"llama-cpp-python:<CONSTANT>"``)."""
+    if name.startswith(PYTHON_TEMPLATES):
+        return _python_template(name.removeprefix(PYTHON_TEMPLATES))
     path = ASSETS / "templates" / (name if name.endswith(".jinja") else f"{name}.jinja")
     try:
         return path.read_text(encoding="utf-8")
@@ -68,6 +112,34 @@ def template(name: str) -> str:
 def tokenizer_dir(vocab: str) -> Path:
     """The Hugging Face tokenizer folder for ``vocab`` (e.g. ``"llama-bpe"``, ``"deepseek-v4"``)."""
     return ASSETS / "tokenizers" / vocab
+
+
+def bos_adding_tokenizer(vocab: str, dest: Path) -> Path:
+    """A copy of ``vocab``'s tokenizer folder in ``dest`` whose post-processor puts the BOS before every text, as
+    Meta's Llama 3.1 tokenizer.json does (the folders converted from llama.cpp's GGUF files add none; llama.cpp
+    itself adds it at tokenization, from the GGUF's ``add_bos_token``)."""
+    source = tokenizer_dir(vocab)
+    folder = dest / f"{vocab}-bos"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["add_bos_token"] = True
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    data = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    bos = config["bos_token"]
+    bos_id = next(t["id"] for t in data["added_tokens"] if t["content"] == bos)
+    data["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": bos, "type_id": 1}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return folder
 
 
 def gguf_file(vocab: str) -> Path:

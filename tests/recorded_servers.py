@@ -31,6 +31,11 @@ RECORDED = {
     path.stem: json.loads(path.read_text(encoding="utf-8"))
     for path in sorted((FIXTURES / "llama_server").glob("*.json"))
 }
+# The corpus on templates beyond the four pairs the vLLM and SGLang recordings share (Meta's original Llama 3).
+RECORDED_MORE = {
+    path.stem: json.loads(path.read_text(encoding="utf-8"))
+    for path in sorted((FIXTURES / "llama_server_more").glob("*.json"))
+}
 
 
 class Answering(str):
@@ -84,16 +89,16 @@ def llama_server_binary() -> Path:
     return ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"
 
 
-def live_llama_server(vocab: str, context: int = 16384) -> Any:
-    """A llama-server (context manager) on a tiny model around ``vocab``, with its recorded template."""
+def vocab_of(recording: str) -> str:
+    """The vocabulary of a llama-server recording (its name up to any ``@``: "llama-bpe@llama3-original")."""
+    return recording.partition("@")[0]
+
+
+def live_llama_server(recording: str, context: int = 16384) -> Any:
+    """A llama-server (context manager) on a tiny model around a recording's vocabulary, with its template."""
     if not llama_server_binary().exists():
         pytest.skip("llama-server is not built: bash scripts/build_llama_server.sh")
     sys.path.insert(0, str(ROOT / "scripts"))
-    from record_llama_server import MODELS, PAIRS, LlamaServer  # type: ignore[import-not-found]
-    from tiny_gguf import tiny_model  # type: ignore[import-not-found]
+    from record_llama_server import LlamaServer, model_path, template_path  # type: ignore[import-not-found]
 
-    model = MODELS / f"{vocab}.gguf"
-    if not model.exists():
-        MODELS.mkdir(parents=True, exist_ok=True)
-        tiny_model(assets.gguf_file(vocab), model)
-    return LlamaServer(model, assets.ASSETS / "templates" / f"{PAIRS[vocab]}.jinja", context=context)
+    return LlamaServer(model_path(recording), template_path(recording), context=context)

@@ -290,6 +290,44 @@ def engine_cases() -> list[dict[str, Any]]:
     return out
 
 
+# Numbers as llama-server reads and writes them: nlohmann::json reads an integer past int64 as uint64 (which the
+# Jinja engine takes as int64: it wraps) or as a double, and ``tojson`` writes a double through a C++ stream (six
+# significant digits). In tool-call arguments (parsed from their JSON string) and in tool schemas.
+NUMBER_ARGUMENTS = {
+    "digits": '{"lat": 48.856614, "lon": 2.3522219, "price": 1234567.5, "tiny": 0.000012345678, "third": 0.3333333333}',
+    "whole": '{"a": 100000.0, "b": 1000000.0, "c": 1e15, "d": -2.0, "e": 0.0}',
+    "int64": '{"max": 9223372036854775807, "min": -9223372036854775808, "wrap": 9223372036854775808}',
+    "uint64": '{"top": 18446744073709551615, "past": 18446744073709551616, "low": -9223372036854775809}',
+}
+NUMBER_TOOL = _tool(
+    name="locate",
+    description="Find a place.",
+    parameters={
+        "type": "object",
+        "properties": {
+            "lat": {"type": "number", "minimum": -90.0, "maximum": 90.0, "default": 48.856614},
+            "step": {"type": "number", "multipleOf": 0.000012345678},
+            "id": {"type": "integer", "maximum": 18446744073709551615, "minimum": -9223372036854775808},
+        },
+    },
+)
+
+
+def number_cases() -> list[dict[str, Any]]:
+    """The number probes: a tool call per argument shape (with its result), and a tool schema full of numbers."""
+    out = []
+    for name, arguments in NUMBER_ARGUMENTS.items():
+        messages = [
+            {"role": "user", "content": "Where?"},
+            {"role": "assistant", "content": None, "tool_calls": [_call("locate", arguments)]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "found"},
+            {"role": "user", "content": "Thanks."},
+        ]
+        out.append({"name": f"numbers-args-{name}", "messages": messages, "tools": [NUMBER_TOOL]})
+    out.append({"name": "numbers-schema", "messages": _chat(("user", "Where am I?")), "tools": [NUMBER_TOOL]})
+    return out
+
+
 def continuation_cases() -> list[dict[str, Any]]:
     """A final assistant message the server continues, with reasoning: only reasoning (the block stays open),
     reasoning and content, and empty reasoning. ``scripts/record_llama_server.py --continuation`` records them in

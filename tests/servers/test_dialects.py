@@ -21,14 +21,16 @@ import contextkeeper as ck
 from contextkeeper._exceptions import ConfigurationError, CountingError, InvalidMessage
 from contextkeeper.servers.dialects import DIALECTS, Dialect, dialect_of
 from contextkeeper.tokens import load_counter
-from recorded_servers import FIXTURES, RECORDED, live_llama_server
-from server_corpus import ENGINE_TEMPLATE, cases, continuation_cases, engine_cases
+from recorded_servers import FIXTURES, RECORDED, RECORDED_MORE, live_llama_server, vocab_of
+from server_corpus import ENGINE_TEMPLATE, cases, continuation_cases, engine_cases, number_cases
 
 # Where llama.cpp's C++ Jinja engine renders differently from Python's and no dialect rule follows it (yet); each
 # is listed in docs/dialects.md. strict: a case that starts to agree fails here, so the list stays true.
 ENGINE_DIFFERENCES: dict[tuple[str, str], str] = {}
 ENGINE = json.loads((FIXTURES / "llama_engine.json").read_text(encoding="utf-8"))
 CONTINUED = json.loads((FIXTURES / "llama_continuation.json").read_text(encoding="utf-8"))
+NUMBERS = json.loads((FIXTURES / "llama_numbers.json").read_text(encoding="utf-8"))
+EVERY = {**RECORDED, **RECORDED_MORE}
 
 
 def _context(fixture: dict[str, Any]) -> dict[str, str]:
@@ -41,9 +43,9 @@ def _context(fixture: dict[str, Any]) -> dict[str, str]:
 def _counter(vocab: str, recorded: str = "") -> Any:
     """The llama.cpp counter of ``vocab``'s recorded pair, passed the date of the recording (``recorded``: another
     recording's date)."""
-    fixture = RECORDED[vocab]
+    fixture = EVERY[vocab]
     return load_counter(
-        str(assets.tokenizer_dir(vocab)),
+        str(assets.tokenizer_dir(fixture["vocab"])),
         chat_template=assets.template(fixture["template"]),
         template_kwargs=_context({"recorded": recorded or fixture["recorded"]}),
         server="llama.cpp",
@@ -52,7 +54,7 @@ def _counter(vocab: str, recorded: str = "") -> Any:
 
 def _recorded_cases() -> list[Any]:
     out = []
-    for vocab, fixture in RECORDED.items():
+    for vocab, fixture in EVERY.items():
         for case in fixture["cases"]:
             reason = ENGINE_DIFFERENCES.get((vocab, case["name"]))
             marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
@@ -62,10 +64,62 @@ def _recorded_cases() -> list[Any]:
 
 def test_the_recordings_cover_the_corpus_on_three_tokenizers_or_more() -> None:
     assert len(RECORDED) >= 3
+    assert "llama-bpe@llama3-original" in RECORDED_MORE  # BOS written inside the loop
     names = [case["name"] for case in cases()]
-    for fixture in RECORDED.values():
+    for fixture in EVERY.values():
         assert [case["name"] for case in fixture["cases"]] == names
     assert sum(len(fixture["cases"]) for fixture in RECORDED.values()) >= 150
+    assert set(NUMBERS["pairs"]) == set(EVERY)
+    for pair in NUMBERS["pairs"].values():
+        assert [case["name"] for case in pair["cases"]] == [case["name"] for case in number_cases()]
+
+
+@pytest.mark.parametrize("recording", ["llama-bpe", "llama-bpe@llama3-original"])
+def test_a_tokenizer_that_adds_bos_counts_one_bos_wherever_the_template_writes_it(
+    recording: str, tmp_path: Path
+) -> None:
+    # Meta's Llama 3.1 tokenizer.json adds BOS (its post-processor) as llama.cpp does (the GGUF's add_bos_token);
+    # llama-server cuts a BOS the template wrote at the very start of the prompt, then tokenizes adding one. The
+    # vendored Llama 3.3 template writes it before the loop, Meta's original inside the loop, on the first message.
+    assets.require_assets()
+    fixture = EVERY[recording]
+    counter = load_counter(
+        str(assets.bos_adding_tokenizer(fixture["vocab"], tmp_path)),
+        chat_template=assets.template(fixture["template"]),
+        template_kwargs=_context(fixture),
+        server="llama.cpp",
+    )
+    assert counter._adds_bos
+    counted = [
+        (case["name"], counter.count(case["messages"], tools=case["tools"]), case["prompt_tokens"])
+        for case in fixture["cases"]
+        if case["prompt_tokens"] is not None
+    ]
+    assert [c for c in counted if c[1] != c[2]] == []
+    assert len(counted) >= 50
+
+
+@pytest.mark.parametrize(
+    ("vocab", "case"),
+    [
+        pytest.param(vocab, case, id=f"{vocab}-{case['name']}")
+        for vocab, pair in NUMBERS["pairs"].items()
+        for case in pair["cases"]
+    ],
+)
+def test_numbers_count_as_llama_server_reads_and_writes_them(vocab: str, case: dict[str, Any]) -> None:
+    # Integers past int64 wrap or become doubles (nlohmann::json, then int64_t); tojson writes a double through a
+    # C++ stream (six significant digits), in tool-call arguments and tool schemas.
+    assets.require_assets()
+    counter = _counter(vocab, NUMBERS["recorded"])
+    messages, tools = copy.deepcopy(case["messages"]), copy.deepcopy(case["tools"])
+    if case["prompt_tokens"] is None:
+        with pytest.raises((InvalidMessage, CountingError)):
+            counter.count(messages, tools=tools)
+        return
+    assert counter.render(messages, tools=tools) == case["prompt"]
+    assert counter.count(messages, tools=tools) == case["prompt_tokens"]
+    assert (messages, tools) == (case["messages"], case["tools"])
 
 
 @pytest.mark.parametrize(("vocab", "case"), _recorded_cases())
@@ -186,14 +240,16 @@ def test_the_transformers_dialect_is_the_serve_view() -> None:
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("vocab", sorted(RECORDED))
+@pytest.mark.parametrize("vocab", sorted(EVERY))
 def test_live_llama_server_still_counts_the_recordings(vocab: str) -> None:
     server_context = live_llama_server(vocab)
     counter = load_counter(
-        str(assets.tokenizer_dir(vocab)), chat_template=assets.template(RECORDED[vocab]["template"]), server="llama.cpp"
+        str(assets.tokenizer_dir(vocab_of(vocab))),
+        chat_template=assets.template(EVERY[vocab]["template"]),
+        server="llama.cpp",
     )
     with server_context as server:
-        for case in cases():
+        for case in cases() + number_cases():
             if (vocab, case["name"]) in ENGINE_DIFFERENCES:
                 continue
             live = server.record(case)
@@ -250,7 +306,7 @@ def test_a_long_wrapped_chat_against_llama_server_counts_every_prompt_right() ->
     assert trimmed > 10  # the chat outgrew the context, so most late turns were fitted
 
 
-@pytest.mark.parametrize("vocab", sorted(RECORDED))
+@pytest.mark.parametrize("vocab", sorted(EVERY))
 def test_the_dialects_fast_path_equals_its_whole_renders(vocab: str) -> None:
     """Message-by-message rendering and piece counting under llama.cpp's rules equal whole renders, and the whole
     prompt encoded at once, on every corpus case and on every prefix of a growing chat (a new turn each)."""
@@ -258,8 +314,8 @@ def test_the_dialects_fast_path_equals_its_whole_renders(vocab: str) -> None:
     from contextkeeper.tokens import HFChatTemplateCounter
     from contextkeeper.tokens.loading import load_hf_tokenizer
 
-    fixture = RECORDED[vocab]
-    tokenizer = load_hf_tokenizer(str(assets.tokenizer_dir(vocab)))
+    fixture = EVERY[vocab]
+    tokenizer = load_hf_tokenizer(str(assets.tokenizer_dir(fixture["vocab"])))
     made = {
         incremental: HFChatTemplateCounter(
             tokenizer,

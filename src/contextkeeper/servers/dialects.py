@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -62,7 +63,10 @@ class Dialect:
     flat_joiner: str = "\n"
     # "dropped": an empty tool_calls list is not passed on (vLLM); "kept": the template sees it (SGLang).
     empty_tool_calls: Literal["dropped", "kept"] = "dropped"
-    json_whole_floats: bool = False  # the template's ``tojson`` writes 1.0 as 1 (nlohmann::json's dump)
+    # "python": numbers as Python reads and writes them; "llama.cpp": as nlohmann::json reads the request (an integer
+    # in [2**63, 2**64) wraps to a negative int64, one beyond becomes a double, a non-finite number is refused) and
+    # llama.cpp's Jinja engine writes them (``tojson``: floats through a C++ stream, six significant digits).
+    json_numbers: Literal["python", "llama.cpp"] = "python"
     # "template": tokens as rendered; "runtime": a leading BOS the template wrote is cut and the tokenizer adds one
     # (net: +1 where the template writes none but the tokenizer adds BOS).
     bos: Literal["template", "runtime"] = "template"
@@ -119,6 +123,8 @@ class Dialect:
                         f"({arguments[:40]!r}); {self.name} refuses such a request. Fix: send the arguments as a "
                         "JSON object string, or count for another server (server=...)"
                     )
+        if self.json_numbers == "llama.cpp":
+            data = _int64_numbers(data)
         role = str(data.get("role"))
         if role in self.roles and not self._keeps_roles(template):
             data = {**data, "role": self.roles[role]}
@@ -169,6 +175,11 @@ class Dialect:
 
     def prepare_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The tool schemas as the server hands them to the template."""
+        if self.json_numbers == "llama.cpp":
+            tools = _int64_numbers(tools)
+        return self._shaped_tools(tools)
+
+    def _shaped_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self.tools == "given":
             return tools
         if self.tools == "fields":
@@ -189,6 +200,39 @@ class Dialect:
                 }
             )
         return out
+
+
+_INT64 = 2**63
+
+
+def _int64_numbers(value: Any) -> Any:
+    """``value`` with its numbers as nlohmann::json reads them and llama.cpp's engine takes them (``get<int64_t>``):
+    an integer in [2**63, 2**64) wrapped to a negative int64, one further out a double; the same object when none
+    changes. A number no double holds is refused, as the server refuses the request."""
+    kind = type(value)
+    if kind is int:
+        if -_INT64 <= value < _INT64:
+            return value
+        if _INT64 <= value < 2 * _INT64:
+            return value - 2 * _INT64
+        try:
+            return float(value)
+        except OverflowError:
+            raise InvalidMessage(
+                f"a number of {len(str(value))} digits is beyond a double; llama.cpp refuses such a request "
+                "(number overflow). Fix: send it as a string"
+            ) from None
+    if kind is float and not math.isfinite(value):
+        raise InvalidMessage(
+            f"{value} is not a JSON number; llama.cpp refuses such a request. Fix: send it as a string"
+        )
+    if kind is dict:
+        items = {key: _int64_numbers(item) for key, item in value.items()}
+        return value if all(items[key] is value[key] for key in value) else items
+    if kind is list:
+        listed = [_int64_numbers(item) for item in value]
+        return value if all(a is b for a, b in zip(listed, value, strict=True)) else listed
+    return value
 
 
 def _merged_system(plain: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -300,7 +344,7 @@ _LLAMACPP = Dialect(
     roles_kept_when="<|channel|>",
     tools="function-triple",
     string_content_stays=True,
-    json_whole_floats=True,
+    json_numbers="llama.cpp",
     ascii_trim=True,
     jinja_values="llama.cpp",
     # Gemma 4's template writes no model turn after an assistant message with content and tool calls; llama-server
@@ -325,6 +369,8 @@ _LLAMACPP = Dialect(
         "common/jinja/string.cpp: string::strip, behind the trim filter and str.strip() (C isspace: ASCII only)",
         "common/jinja/runtime.h: gather_string_parts_recursive; value.h: value_float_t::as_string (what "
         "{{ value }} writes)",
+        "common/jinja/value.cpp: from_json (integers as int64_t), tojson and value_to_json_internal (floats "
+        "through a C++ stream; sort_keys refused)",
     ),
 )
 

@@ -49,6 +49,7 @@ from jinja2.utils import Namespace, _PassArg, pass_context
 from .._exceptions import ChatTemplateError, ConfigurationError, TemplateLimitExceeded
 from .._memo import IdentityMemo, approx_size, data_size, memoize
 from .._memo import same_values as same_values
+from ._c_json import c_tojson
 from ._chat_rules import CHAT_RULES
 from .render import LoopState
 from .render.settle import ITEMS, NO_PLAN, SettlePlan, settle
@@ -65,7 +66,6 @@ __all__ = [
     "compile_template",
     "limits_of",
     "same_values",
-    "whole_floats",
 ]
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
@@ -1045,7 +1045,8 @@ class FrozenJSON:
             if known is None:
                 return _bounded_call(tojson, x, args, kwargs)
             try:
-                key = (args, tuple(sorted(kwargs.items())))
+                # The rules are part of the key: one object may be written under Python's and llama.cpp's.
+                key = (args, tuple(sorted(kwargs.items())), JINJA_RULES.get())
                 hash(key)
             except TypeError:  # e.g. separators given as a list
                 return _bounded_call(tojson, x, args, kwargs)
@@ -1106,7 +1107,7 @@ class JinjaRules:
     """Where a server's Jinja engine differs from Python's (llama.cpp's: C++ with nlohmann::json)."""
 
     ascii_trim: bool = False  # ``trim`` and ``str.strip()`` strip ASCII whitespace only (C's isspace: U+00A0 stays)
-    whole_float_json: bool = False  # ``tojson`` writes a whole float as an integer (1.0 -> 1)
+    c_json: bool = False  # ``tojson`` writes floats as a C++ stream does (1.0 -> 1, 3.14159265 -> 3.14159): _c_json
 
 
 PYTHON_JINJA = JinjaRules()
@@ -1179,23 +1180,10 @@ def _ruled_trim(original: Callable[..., Any]) -> Callable[..., Any]:
     return trim
 
 
-def whole_floats(value: Any) -> Any:
-    """``value`` with every whole float (in dicts and lists, at any depth) an int; the same object if it has none."""
-    if type(value) is float and value.is_integer() and abs(value) < 2**63:
-        return int(value)
-    if isinstance(value, dict):
-        items = {key: whole_floats(item) for key, item in value.items()}
-        return value if all(items[key] is value[key] for key in value) else items
-    if isinstance(value, list):
-        listed = [whole_floats(item) for item in value]
-        return value if all(a is b for a, b in zip(listed, value, strict=True)) else listed
-    return value
-
-
 def _ruled_tojson(original: Callable[..., Any]) -> Callable[..., Any]:
     def tojson(value: Any, *args: Any, **kwargs: Any) -> Any:
-        if JINJA_RULES.get().whole_float_json:
-            value = whole_floats(value)
+        if JINJA_RULES.get().c_json:
+            return c_tojson(value, *args, **kwargs)
         return original(value, *args, **kwargs)
 
     return tojson

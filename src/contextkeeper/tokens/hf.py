@@ -114,6 +114,17 @@ def _ends_with(segments: list[str], suffix: str) -> bool:
     return tail.endswith(suffix)
 
 
+def _starts_with(segments: list[str], prefix: str) -> bool:
+    """Whether the joined ``segments`` start with ``prefix`` (joining only the first few: the first segments may
+    be empty, as when a template writes its BOS inside the message loop)."""
+    head = ""
+    for segment in segments:
+        head += segment
+        if len(head) >= len(prefix):
+            break
+    return head.startswith(prefix)
+
+
 @memoize("hf.split_templates", sizer=_split_size)
 def _split(source: str, values: str = "python") -> SplitTemplate | None:
     """The template cut at its message loop (see ``split_template``), compiled once per source, engine and
@@ -275,7 +286,7 @@ class HFChatTemplateCounter:
         # The server whose preprocessing the count follows (vLLM's unless told); its view wins over ``view``.
         self.dialect = dialect_of(server)
         self.view: View = "raw" if self.dialect.view == "raw" else view
-        self._jinja = JinjaRules(ascii_trim=self.dialect.ascii_trim, whole_float_json=self.dialect.json_whole_floats)
+        self._jinja = JinjaRules(ascii_trim=self.dialect.ascii_trim, c_json=self.dialect.json_numbers == "llama.cpp")
         if not self.dialect.unicode_normalization:
             tokenizer = self.tokenizer = _without_unicode_forms(tokenizer)
         sources = [source] if isinstance(source, str) else list(source.values())
@@ -417,8 +428,9 @@ class HFChatTemplateCounter:
                     segments = [*segments, end.append]
         if dialect.bos == "runtime" and self._adds_bos:
             bos = str(self.tokenizer.bos_token)
-            # The server cuts a BOS the template wrote and its tokenizer adds one: one BOS either way.
-            if not (segments and segments[0].startswith(bos)):
+            # The server cuts a BOS the template wrote at the very start of the prompt and its tokenizer adds one:
+            # one BOS either way. A BOS written later is kept, and the tokenizer's comes before it.
+            if not _starts_with(segments, bos):
                 segments = [bos, *segments]
         return segments
 
